@@ -1,0 +1,226 @@
+"""YAML file + dotted command-line overrides -> a typed, checked `MeshformerConfig`.
+
+Values are read with `yaml.safe_load` only. Each key is checked against the schema: unknown keys get a
+did-you-mean, values get type and range checks, MindSpore-only keys are accepted with a notice.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import sys
+import types
+import typing
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from meshformer.errors import UserError
+from meshformer.config.schema import (IGNORED_KEYS, LIST_ITEM_SCHEMAS, MeshformerConfig, field_default,
+                                       is_dataclass_type)
+
+# Misspellings seen in the wild that we accept silently (the seed article itself writes CheckpointMointor).
+VALUE_ALIASES = {"CheckpointMointor": "CheckpointMonitor"}
+
+
+def read_yaml(path: str | Path) -> dict:
+    p = Path(path)
+    if not p.is_file():
+        raise UserError(f"config file {str(p)!r} not found: pass the path of a YAML file")
+    try:
+        data = yaml.safe_load(p.read_text(encoding="utf-8"))
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise UserError(f"{p}: malformed YAML{where}: {problem}; fix the indentation or quoting there") from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise UserError(f"{p}: the top level must be a mapping of sections (run_mode:, model:, ...), not {type(data).__name__}")
+    return data
+
+
+def parse_overrides(args: list[str]) -> list[tuple[str, Any]]:
+    """`--a.b.c VALUE` / `--a.b.c=VALUE` pairs -> [(dotted_key, yaml-typed value)]."""
+    out: list[tuple[str, Any]] = []
+    i = 0
+    while i < len(args):
+        a = args[i]
+        if not a.startswith("--") or len(a) == 2:
+            raise UserError(f"unexpected argument {a!r}: overrides look like --section.field VALUE")
+        key = a[2:]
+        if "=" in key:
+            key, raw = key.split("=", 1)
+        else:
+            if i + 1 >= len(args):
+                raise UserError(f"override --{key} has no value: write --{key} VALUE")
+            raw = args[i + 1]
+            i += 1
+        i += 1
+        try:
+            value = yaml.safe_load(raw) if raw != "" else ""
+        except yaml.YAMLError:
+            value = raw
+        out.append((key, value))
+    return out
+
+
+def apply_override(data: dict, dotted: str, value: Any) -> None:
+    """Set data[a][b][c] = value for "a.b.c", creating sections; list items are addressed by index or type."""
+    parts = dotted.split(".")
+    node: Any = data
+    for depth, part in enumerate(parts[:-1]):
+        if isinstance(node, list):
+            node = _list_item(node, part, ".".join(parts[:depth + 1]))
+            continue
+        nxt = node.get(part)
+        if nxt is None:
+            nxt = node[part] = {}
+        if not isinstance(nxt, (dict, list)):
+            raise UserError(f"override --{dotted}: {'.'.join(parts[:depth + 1])} is a value, not a section")
+        node = nxt
+    if isinstance(node, list):
+        raise UserError(f"override --{dotted}: address a list item's field, e.g. --callbacks.0.per_print_times 5")
+    node[parts[-1]] = value
+
+
+def _list_item(items: list, part: str, where: str) -> dict:
+    if part.isdigit() and int(part) < len(items):
+        return items[int(part)]
+    for it in items:  # callbacks.CheckpointMonitor.save_checkpoint_steps
+        if isinstance(it, dict) and VALUE_ALIASES.get(it.get("type"), it.get("type")) == part:
+            return it
+    raise UserError(f"override: no item {part!r} in {where}; use an index (0..{len(items) - 1}) or an item's type")
+
+
+def load_config(path: str | Path | None, overrides: list[str] | None = None, *, notices: list[str] | None = None) -> MeshformerConfig:
+    data = read_yaml(path) if path is not None else {}
+    for key, value in parse_overrides(overrides or []):
+        apply_override(data, key, value)
+    cfg = from_dict(MeshformerConfig, data, (), notices if notices is not None else [])
+    from meshformer.config.validate import validate_config
+    validate_config(cfg)
+    return cfg
+
+
+def from_dict(cls: type, data: Any, path: tuple, notices: list[str]) -> Any:
+    where = ".".join(path) or "the top level"
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise UserError(f"{where} must be a section (a mapping of fields), got {_show(data)}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    alias_of = {a: f.name for f in fields.values() for a in f.metadata.get("aliases", ())}
+    ignored = IGNORED_KEYS.get(path, set())
+    kwargs: dict[str, Any] = {}
+    for key, value in data.items():
+        key = str(key)
+        name = alias_of.get(key, key)
+        if name not in fields:
+            if key in ignored:
+                notices.append(f"{_dot(path, key)} is a MindSpore-only setting; meshformer ignores it")
+                continue
+            guess = difflib.get_close_matches(key, list(fields) + list(alias_of), n=1, cutoff=0.6)
+            hint = f"did you mean {_dot(path, guess[0])!r}?" if guess else \
+                f"valid fields: {', '.join(sorted(fields))}"
+            raise UserError(f"unknown config key {_dot(path, key)!r}: {hint}")
+        if name in kwargs:
+            raise UserError(f"{_dot(path, key)} is given twice (also as {name!r}): keep one")
+        kwargs[name] = _convert(hints[name], value, path + (name,), fields[name].metadata, notices)
+    for name, f in fields.items():  # list defaults whose items have a schema are built like given values
+        if name not in kwargs and path + (name,) in LIST_ITEM_SCHEMAS:
+            kwargs[name] = _convert(hints[name], field_default(f), path + (name,), f.metadata, notices)
+    return cls(**kwargs)
+
+
+def _convert(tp: Any, value: Any, path: tuple, meta: dict, notices: list[str]) -> Any:
+    dotted = ".".join(path)
+    if is_dataclass_type(tp):
+        return from_dict(tp, value, path, notices)
+    options = _union_members(tp)
+    if value is None:
+        if type(None) in options:
+            return None
+        raise UserError(f"{dotted} must not be empty: give a {_type_name(tp)} value")
+    value = VALUE_ALIASES.get(value, value) if isinstance(value, str) else value
+    converted = _coerce(options, value)
+    if converted is _NO:
+        raise UserError(f"{dotted} must be {_type_name(tp)}, got {_show(value)}: fix the value's type")
+    if isinstance(converted, list) and path in LIST_ITEM_SCHEMAS:
+        converted = [from_dict(LIST_ITEM_SCHEMAS[path], it, path + (str(i),), notices) for i, it in enumerate(converted)]
+    _check_range(dotted, converted, meta)
+    return converted
+
+
+_NO = object()
+
+
+def _coerce(options: list, value: Any) -> Any:
+    for opt in options:
+        if opt is bool and isinstance(value, bool):
+            return value
+        if opt is int and isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if opt is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if opt is float and isinstance(value, str):  # YAML 1.1 reads "1e-4" (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        if opt is str and isinstance(value, str):
+            return value
+        if opt is list and isinstance(value, list):
+            return value
+        if opt is dict and isinstance(value, dict):
+            return value
+    return _NO
+
+
+def _check_range(dotted: str, v: Any, meta: dict) -> None:
+    choices = meta.get("choices")
+    if choices and v not in choices:
+        guess = difflib.get_close_matches(str(v), [str(c) for c in choices], n=1)
+        hint = f"did you mean {guess[0]!r}? " if guess else ""
+        raise UserError(f"{dotted}={v!r} is not allowed: {hint}choose one of {', '.join(map(str, choices))}")
+    if not isinstance(v, (int, float)) or isinstance(v, bool):
+        return
+    for op, bound, ok in (("ge", meta.get("ge"), lambda a, b: a >= b), ("gt", meta.get("gt"), lambda a, b: a > b),
+                          ("le", meta.get("le"), lambda a, b: a <= b)):
+        if bound is not None and not ok(v, bound):
+            rel = {"ge": ">=", "gt": ">", "le": "<="}[op]
+            raise UserError(f"{dotted}={v} is out of range: it must be {rel} {bound}")
+
+
+def _union_members(tp: Any) -> list:
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        return list(typing.get_args(tp))
+    return [origin or tp]
+
+
+def _type_name(tp: Any) -> str:
+    names = {bool: "true/false", int: "an integer", float: "a number", str: "a string", list: "a list",
+             dict: "a mapping", type(None): "empty"}
+    return " or ".join(names.get(typing.get_origin(o) or o, str(o)) for o in _union_members(tp))
+
+
+def _show(v: Any) -> str:
+    s = repr(v)
+    return (s[:40] + "...") if len(s) > 43 else s
+
+
+def _dot(path: tuple, key: str) -> str:
+    return ".".join(path + (key,))
+
+
+def to_dict(cfg: Any) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def print_notices(notices: list[str]) -> None:
+    for n in notices:
+        print(f"note: {n}", file=sys.stderr)

@@ -1,0 +1,78 @@
+"""Build a model on the meta device and initialise it deterministically.
+
+Every parameter is drawn from its own generator, seeded by (seed, the parameter's name), in its full
+(unsharded) shape; a rank that holds a shard (tensor parallel / FSDP DTensor) keeps its slice of that full
+tensor. So the initial weights depend only on `seed` and the model config, never on the process layout:
+a pipeline stage, a tensor-parallel shard and a single process all start from the same numbers.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import torch
+from torch import nn
+
+from meshformer.config.schema import ModelConfig
+from meshformer.models.llama import DTYPE, RMSNorm, RopeTables, Transformer
+
+# Wrapper prefixes that activation checkpointing and torch.compile add to parameter names.
+WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
+
+
+def canonical_name(fqn: str) -> str:
+    for p in WRAPPER_PREFIXES:
+        fqn = fqn.replace(p, "")
+    return fqn
+
+
+def build_model(mc: ModelConfig) -> Transformer:
+    """The model on the meta device: no memory, no random numbers yet (see init_weights)."""
+    with torch.device("meta"):
+        return Transformer(mc)
+
+
+def materialize(model: nn.Module, device: torch.device | str, seed: int, dtype: torch.dtype | None = None) -> nn.Module:
+    """Allocate the (possibly parallelised) meta model on `device` and fill it deterministically."""
+    model.to_empty(device=device)
+    init_weights(model, seed, dtype)
+    return model
+
+
+@torch.no_grad()
+def init_weights(model: nn.Module, seed: int, dtype: torch.dtype | None = None) -> None:
+    std = model.config.init_std if hasattr(model, "config") else 0.02
+    for fqn, p in model.named_parameters():
+        name = canonical_name(fqn)
+        full = _draw(name, tuple(p.shape), seed, std)  # a DTensor's shape is the global (full) shape
+        if dtype is not None:
+            full = full.to(dtype)
+        if hasattr(p, "device_mesh"):  # DTensor: keep this rank's slice of the full tensor
+            from torch.distributed.tensor import distribute_tensor
+            local = distribute_tensor(full.to(p.device), p.device_mesh, p.placements, src_data_rank=None).to_local()
+            p.to_local().copy_(local)
+        else:
+            p.copy_(full)
+    for m in model.modules():
+        if isinstance(m, RopeTables):
+            m.reset_parameters()
+
+
+def _draw(name: str, shape: tuple, seed: int, std: float) -> torch.Tensor:
+    leaf = name.rsplit(".", 1)[-1]
+    parent = name.rsplit(".", 2)[-2] if name.count(".") >= 1 else ""
+    if "norm" in parent or "layernorm" in parent:
+        return torch.ones(shape)
+    if leaf == "bias":
+        return torch.zeros(shape)
+    g = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63))
+    return torch.randn(shape, generator=g) * std
+
+
+def create_model(mc: ModelConfig, seed: int, device: torch.device | str = "cpu") -> Transformer:
+    """Single-process convenience: build, allocate and initialise in param_init_type."""
+    model = build_model(mc)
+    return materialize(model, device, seed, DTYPE[mc.param_init_type]).to(DTYPE[mc.param_init_type])
+
+
+__all__ = ["build_model", "materialize", "init_weights", "create_model", "canonical_name", "RMSNorm"]

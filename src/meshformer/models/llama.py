@@ -1,0 +1,222 @@
+"""Llama-family decoder (Llama 2/3, Qwen2, Qwen3) as plain `nn.Module`s.
+
+No parallel code lives here: tensor, pipeline and data parallelism are applied from outside
+(`meshformer.parallel`). Parameter names follow Hugging Face's `LlamaForCausalLM` minus the `model.` prefix,
+and rotary embeddings use the same half-split layout, so weight conversion is a renaming.
+
+Pipeline stages are made by deleting modules: `embed_tokens`, `norm` and `lm_head` may be None and `layers`
+is a ModuleDict keyed by the global layer index, so names (and checkpoints) stay stable across layouts.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from meshformer.config.schema import ModelConfig
+from meshformer.config.validate import head_dim, intermediate_size, kv_heads
+
+DTYPE = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm computed in `compute_dtype` (float32 by default), returned in the input dtype."""
+
+    def __init__(self, dim: int, eps: float, compute_dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.eps = eps
+        self.compute_dtype = compute_dtype
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.to(self.compute_dtype)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight.to(self.compute_dtype) * h).to(x.dtype)
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
+
+def rope_inv_freq(mc: ModelConfig) -> torch.Tensor:
+    """Rotary inverse frequencies, with optional llama3 frequency-dependent scaling."""
+    d = head_dim(mc)
+    inv_freq = 1.0 / (mc.theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    rs = mc.rope_scaling
+    if rs.type == "llama3":
+        low_wavelen = rs.original_max_position_embeddings / rs.low_freq_factor
+        high_wavelen = rs.original_max_position_embeddings / rs.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        smooth = (rs.original_max_position_embeddings / wavelen - rs.low_freq_factor) / (
+            rs.high_freq_factor - rs.low_freq_factor)
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / rs.factor, inv_freq)
+        mid = (1 - smooth) * inv_freq / rs.factor + smooth * inv_freq
+        is_mid = (wavelen <= low_wavelen) & (wavelen >= high_wavelen)
+        inv_freq = torch.where(is_mid, mid, scaled)
+    return inv_freq
+
+
+def rope_cos_sin(mc: ModelConfig, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables of shape [len, head_dim] (the half-split layout: frequencies repeated twice)."""
+    freqs = positions.to(torch.float64)[:, None] * rope_inv_freq(mc)[None, :].to(positions.device)
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [batch, heads, seq, head_dim]; rotate-half formulation, computed in the tables' dtype."""
+    xc = x.to(cos.dtype)
+    x1, x2 = xc.chunk(2, dim=-1)
+    rotated = torch.cat([-x2, x1], dim=-1)
+    return (xc * cos + rotated * sin).to(x.dtype)
+
+
+class RopeTables(nn.Module):
+    """cos/sin tables for positions [0, seq_length) kept as non-persistent buffers.
+
+    Attention slices them by its own input length, which is the full sequence even when sequence parallelism
+    shards the activations between layers.
+    """
+
+    def __init__(self, mc: ModelConfig):
+        super().__init__()
+        self.config = mc
+        self.dtype = DTYPE[mc.rotary_dtype]
+        self.register_buffer("cos", torch.empty(mc.seq_length, head_dim(mc), dtype=self.dtype), persistent=False)
+        self.register_buffer("sin", torch.empty(mc.seq_length, head_dim(mc), dtype=self.dtype), persistent=False)
+
+    def reset_parameters(self) -> None:
+        """Fill the tables (after the model moved off the meta device)."""
+        cos, sin = rope_cos_sin(self.config, torch.arange(self.config.seq_length, device=self.cos.device), self.dtype)
+        self.cos.copy_(cos)
+        self.sin.copy_(sin)
+
+    def slice(self, start: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if start + length <= self.cos.shape[0]:
+            return self.cos[start:start + length], self.sin[start:start + length]
+        positions = torch.arange(start, start + length, device=self.cos.device)  # generation past seq_length
+        return rope_cos_sin(self.config, positions, self.dtype)
+
+
+class KVCache:
+    """Preallocated keys/values for incremental decoding; one per model, one slot per layer."""
+
+    def __init__(self, n_layers: int, batch: int, n_kv: int, max_len: int, hd: int, dtype: torch.dtype, device):
+        self.k = [torch.zeros(batch, n_kv, max_len, hd, dtype=dtype, device=device) for _ in range(n_layers)]
+        self.v = [torch.zeros(batch, n_kv, max_len, hd, dtype=dtype, device=device) for _ in range(n_layers)]
+        self.pos = 0  # tokens already stored
+
+    def update(self, idx: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        end = self.pos + k.shape[2]
+        self.k[idx][:, :, self.pos:end] = k
+        self.v[idx][:, :, self.pos:end] = v
+        return self.k[idx][:, :, :end], self.v[idx][:, :, :end]
+
+
+class Attention(nn.Module):
+    def __init__(self, mc: ModelConfig):
+        super().__init__()
+        self.n_heads, self.n_kv, self.hd = mc.num_heads, kv_heads(mc), head_dim(mc)
+        self.q_proj = nn.Linear(mc.hidden_size, self.n_heads * self.hd, bias=mc.qkv_has_bias)
+        self.k_proj = nn.Linear(mc.hidden_size, self.n_kv * self.hd, bias=mc.qkv_has_bias)
+        self.v_proj = nn.Linear(mc.hidden_size, self.n_kv * self.hd, bias=mc.qkv_has_bias)
+        self.o_proj = nn.Linear(self.n_heads * self.hd, mc.hidden_size, bias=False)
+        norm_dtype = DTYPE[mc.layernorm_compute_dtype]
+        self.q_norm = RMSNorm(self.hd, mc.rms_norm_eps, norm_dtype) if mc.use_qk_norm else None
+        self.k_norm = RMSNorm(self.hd, mc.rms_norm_eps, norm_dtype) if mc.use_qk_norm else None
+
+    def forward(self, x, rope: "RopeTables", start: int = 0, cache: KVCache | None = None, layer_idx: int = 0):
+        b, s, _ = x.shape
+        cos, sin = rope.slice(start, s)
+        # -1 instead of n_heads: under tensor parallelism each rank holds a slice of the heads.
+        q = self.q_proj(x).view(b, s, -1, self.hd)
+        k = self.k_proj(x).view(b, s, -1, self.hd)
+        v = self.v_proj(x).view(b, s, -1, self.hd)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if cache is not None:
+            k, v = cache.update(layer_idx, k, v)
+        gqa = q.shape[1] != k.shape[1]
+        if cache is None or cache.pos == 0:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        else:  # queries at positions pos..pos+s-1 see every cached key up to their own position
+            q_pos = torch.arange(cache.pos, cache.pos + s, device=x.device)[:, None]
+            mask = torch.arange(k.shape[2], device=x.device)[None, :] <= q_pos
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+        return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, mc: ModelConfig):
+        super().__init__()
+        ffn = intermediate_size(mc)
+        self.gate_proj = nn.Linear(mc.hidden_size, ffn, bias=False)
+        self.up_proj = nn.Linear(mc.hidden_size, ffn, bias=False)
+        self.down_proj = nn.Linear(ffn, mc.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, mc: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        norm_dtype = DTYPE[mc.layernorm_compute_dtype]
+        self.input_layernorm = RMSNorm(mc.hidden_size, mc.rms_norm_eps, norm_dtype)
+        self.self_attn = Attention(mc)
+        self.post_attention_layernorm = RMSNorm(mc.hidden_size, mc.rms_norm_eps, norm_dtype)
+        self.mlp = MLP(mc)
+
+    def forward(self, x, rope: "RopeTables", start: int = 0, cache: KVCache | None = None):
+        x = x + self.self_attn(self.input_layernorm(x), rope, start, cache, self.layer_idx)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Transformer(nn.Module):
+    """Causal LM: tokens -> logits. Any of embed_tokens / norm / lm_head may be removed for pipeline stages."""
+
+    def __init__(self, mc: ModelConfig):
+        super().__init__()
+        self.config = mc
+        self.embed_tokens = nn.Embedding(mc.vocab_size, mc.hidden_size)
+        self.layers = nn.ModuleDict({str(i): DecoderLayer(mc, i) for i in range(mc.num_layers)})
+        self.norm = RMSNorm(mc.hidden_size, mc.rms_norm_eps, DTYPE[mc.layernorm_compute_dtype])
+        # With tied embeddings the output projection reuses embed_tokens.weight (see output_weight()).
+        self.lm_head = None if mc.tie_word_embeddings else nn.Linear(mc.hidden_size, mc.vocab_size, bias=False)
+        self.rope = RopeTables(mc)
+
+    def forward(self, h: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        """h: token ids [batch, seq] on the first stage, hidden states [batch, seq, hidden] after it."""
+        if self.embed_tokens is not None:
+            h = self.embed_tokens(h)
+        start = cache.pos if cache is not None else 0
+        for layer in self.layers.values():
+            h = layer(h, self.rope, start, cache)
+        if cache is not None:
+            cache.pos += h.shape[1]
+        if self.norm is not None:
+            h = self.norm(h)
+        if self.lm_head is not None:
+            h = self.lm_head(h)
+        elif self.config.tie_word_embeddings and self.embed_tokens is not None and self.norm is not None:
+            h = F.linear(h, self.embed_tokens.weight)
+        return h
+
+    def new_kv_cache(self, batch: int, max_len: int) -> KVCache:
+        p = next(self.parameters())
+        mc = self.config
+        return KVCache(mc.num_layers, batch, kv_heads(mc), max_len, head_dim(mc), p.dtype, p.device)
+
+
+def num_params(model: nn.Module, exclude_embedding: bool = False) -> int:
+    n = sum(p.numel() for p in model.parameters())
+    if exclude_embedding and getattr(model, "embed_tokens", None) is not None:
+        n -= model.embed_tokens.weight.numel()
+    return n
