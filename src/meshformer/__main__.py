@@ -1,0 +1,5 @@
+import sys
+
+from meshformer.cli.main import main
+
+sys.exit(main())

@@ -1,0 +1,90 @@
+"""`meshformer generate`: continue a prompt with a trained checkpoint.
+
+The checkpoint (a run's output_dir, whose newest checkpoint is used, or one checkpoint directory) is loaded by
+`meshformer.checkpoint.load_for_inference`, which returns the model, its config and its tokenizer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from meshformer.errors import UserError
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser("generate", help="Generate text from a checkpoint.",
+                              description="Continue --prompt with a trained model and print prompt + completion.")
+    p.add_argument("--checkpoint", required=True, metavar="DIR",
+                   help="a run's output_dir (its newest checkpoint is used) or one checkpoint directory")
+    p.add_argument("--prompt", required=True, help="text to continue")
+    p.add_argument("--max-new-tokens", type=int, default=64, metavar="N", help="tokens to generate at most (default 64)")
+    p.add_argument("--temperature", type=float, default=1.0, metavar="T",
+                   help="softmax temperature; 0 means greedy (default 1.0)")
+    p.add_argument("--top-p", type=float, default=1.0, metavar="P",
+                   help="nucleus sampling: sample from the smallest set of tokens with mass >= P (default 1.0: off)")
+    p.add_argument("--top-k", type=int, default=0, metavar="K", help="sample from the K most likely tokens (default 0: off)")
+    p.add_argument("--greedy", action="store_true", help="always take the most likely token (ignores sampling flags)")
+    p.add_argument("--seed", type=int, default=None, metavar="S", help="seed for reproducible sampling (default: random)")
+    p.set_defaults(func=run)
+
+
+def check_args(args: argparse.Namespace) -> None:
+    if args.max_new_tokens < 1:
+        raise UserError(f"--max-new-tokens {args.max_new_tokens}: give at least 1")
+    if args.temperature < 0:
+        raise UserError(f"--temperature {args.temperature}: must be >= 0 (0 means greedy)")
+    if not 0 < args.top_p <= 1:
+        raise UserError(f"--top-p {args.top_p}: must be in (0, 1]; 1 turns nucleus sampling off")
+    if args.top_k < 0:
+        raise UserError(f"--top-k {args.top_k}: must be >= 0; 0 turns top-k off")
+    if args.seed is not None and args.seed < 0:
+        raise UserError(f"--seed {args.seed}: must be >= 0")
+    if not Path(args.checkpoint).exists():
+        raise UserError(f"--checkpoint {args.checkpoint!r} does not exist: pass a run's output_dir or a checkpoint directory")
+
+
+def encode_prompt(tokenizer, prompt: str, mc) -> list[int]:
+    ids = list(tokenizer.encode(prompt).ids)
+    if not ids and mc.bos_token_id is not None:  # an empty prompt starts from BOS
+        ids = [mc.bos_token_id]
+    if not ids:
+        raise UserError("--prompt encodes to no tokens: give some text to continue")
+    bad = [t for t in ids if t >= mc.vocab_size]
+    if bad:
+        raise UserError(f"--prompt: token id {bad[0]} is outside the model's vocab_size={mc.vocab_size}: "
+                        f"the checkpoint's tokenizer does not match its model")
+    return ids
+
+
+def run(args: argparse.Namespace) -> int:
+    check_args(args)
+    from meshformer import checkpoint  # looked up at call time so tests can substitute the loader
+    from meshformer.models.generate import generate
+
+    model, cfg, tokenizer = checkpoint.load_for_inference(args.checkpoint)
+    mc = cfg.model.model_config
+    ids = encode_prompt(tokenizer, args.prompt, mc)
+    gen = None
+    if not args.greedy:
+        gen = torch.Generator(device=next(model.parameters()).device)
+        if args.seed is None:
+            gen.seed()
+        else:
+            gen.manual_seed(args.seed)
+    t0 = time.perf_counter()
+    new = generate(model, ids, args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                   top_k=args.top_k, greedy=args.greedy, eos_id=mc.eos_token_id, generator=gen)
+    dt = time.perf_counter() - t0
+    # Decode prompt and completion together (tokenizers merge spaces across the boundary), then keep the
+    # user's prompt text verbatim when the tokenizer round-trips it.
+    full = tokenizer.decode(ids + new)
+    prefix = tokenizer.decode(ids)
+    text = args.prompt + full[len(prefix):] if full.startswith(prefix) else full
+    print(text)
+    print(f"generated {len(new)} tokens in {dt:.2f}s ({len(new) / max(dt, 1e-9):.1f} tokens/s)", file=sys.stderr)
+    return 0

@@ -1,0 +1,56 @@
+"""`meshformer` command line: one sub-command per module in this folder.
+
+Each sub-command module exposes `add_parser(subparsers)` (which sets `func` on its parser). Bad input is
+raised as `UserError` anywhere below and reported here as one line with exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from meshformer.errors import UserError
+
+# Sub-command modules, in the order `meshformer --help` lists them.
+COMMANDS = ("train", "launch", "selfcheck", "preprocess", "tokenizer", "generate", "config")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="meshformer", description=(
+        "Pre-train and fine-tune Llama-family models from one YAML file, split across devices by parallel_config."))
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    for name in COMMANDS:
+        try:
+            mod = importlib.import_module(f"meshformer.cli.{name}_cmd")
+        except ModuleNotFoundError as e:
+            if e.name != f"meshformer.cli.{name}_cmd":
+                raise
+            continue  # not built yet
+        mod.add_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser()
+    try:
+        # Dotted overrides (--section.field VALUE) run to the end of the line; argparse sees the rest.
+        cut = next((i for i, a in enumerate(argv) if a.startswith("--") and "." in a.split("=", 1)[0]), len(argv))
+        args = parser.parse_args(argv[:cut])
+        if cut < len(argv) and not getattr(args, "accepts_overrides", False):
+            parser.error(f"unrecognized arguments: {' '.join(argv[cut:])}")
+        args.overrides = argv[cut:]
+        rc = args.func(args)
+        return int(rc or 0)
+    except UserError as e:
+        print(f"meshformer: error: {e}", file=sys.stderr)
+        return UserError.exit_code
+    except KeyboardInterrupt:
+        print("meshformer: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

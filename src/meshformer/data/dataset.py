@@ -1,0 +1,128 @@
+"""Reading a packed dataset directory and ordering its samples.
+
+Directory layout (written by `meshformer preprocess`, see `preprocess.py`):
+    meta.json            {"format": "meshformer-packed-v1", "dtype": "uint16"|"uint32", "tokenizer_hash": sha256 of
+                          tokenizer.json, "vocab_size", "eos_token_id", "splits": {"train": {"tokens", "documents"},
+                          "validation": {...}}, "duplicates_removed", ...}
+    tokenizer.json       the tokenizer the tokens were made with
+    {split}.bin          all documents' tokens back to back, each followed by EOS (raw little-endian `dtype`)
+    {split}.idx.npy      int64 start offset of every document in {split}.bin
+
+A sample is a window of seq_length + 1 tokens (inputs and shifted labels); windows tile the stream with
+stride seq_length, so packing crosses document boundaries like Megatron and MindSpore Transformers.
+
+Sample order: epoch e visits the samples in the permutation drawn from (seed, e); the run's k-th sample is
+a pure function of (seed, k), so a checkpoint only records how many global batches were consumed.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from meshformer.errors import UserError
+
+FORMAT = "meshformer-packed-v1"
+
+
+def read_meta(dataset_dir: str | Path, field: str = "train_dataset.data_loader.dataset_dir") -> dict:
+    d = Path(dataset_dir)
+    if not str(dataset_dir):
+        raise UserError(f"{field} is empty: set it to a directory made by `meshformer preprocess`")
+    meta_path = d / "meta.json"
+    if not meta_path.is_file():
+        raise UserError(f"{field}={str(d)!r} is not a meshformer dataset (no meta.json): "
+                        f"create it with `meshformer preprocess --input FILES --tokenizer DIR --output {d}`")
+    try:
+        meta = json.loads(meta_path.read_text())
+    except json.JSONDecodeError as e:
+        raise UserError(f"{meta_path}: corrupt meta.json ({e.msg}): re-run `meshformer preprocess`") from None
+    if meta.get("format") != FORMAT:
+        raise UserError(f"{meta_path}: format {meta.get('format')!r} is not {FORMAT!r}: re-run `meshformer preprocess`")
+    return meta
+
+
+class PackedDataset:
+    """Fixed-length samples over one split's memory-mapped token stream."""
+
+    def __init__(self, dataset_dir: str | Path, split: str, seq_length: int,
+                 field: str = "train_dataset.data_loader.dataset_dir"):
+        self.dir = Path(dataset_dir)
+        self.meta = read_meta(dataset_dir, field)
+        self.split = split
+        self.seq_length = seq_length
+        info = self.meta.get("splits", {}).get(split)
+        path = self.dir / f"{split}.bin"
+        if not info or not path.is_file() or info.get("tokens", 0) == 0:
+            raise UserError(f"{field}={str(self.dir)!r} has no {split!r} tokens: re-run `meshformer preprocess` "
+                            f"with more text (or a larger --val-fraction for validation)")
+        self.tokens = np.memmap(path, dtype=np.dtype(self.meta["dtype"]).newbyteorder("<"), mode="r")
+        if self.tokens.shape[0] != info["tokens"]:
+            raise UserError(f"{path}: holds {self.tokens.shape[0]} tokens but meta.json says {info['tokens']}: "
+                            f"the dataset is truncated; re-run `meshformer preprocess`")
+        self.num_samples = (self.tokens.shape[0] - 1) // seq_length
+        if self.num_samples < 1:
+            raise UserError(f"{field}={str(self.dir)!r}: the {split!r} split has {self.tokens.shape[0]} tokens, fewer "
+                            f"than seq_length+1={seq_length + 1}: lower model.model_config.seq_length or add text")
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        start = i * self.seq_length
+        window = self.tokens[start:start + self.seq_length + 1].astype(np.int64)
+        return torch.from_numpy(window)
+
+    def check_tokenizer(self, tokenizer_hash: str, vocab_size: int, field: str) -> None:
+        if self.meta.get("tokenizer_hash") != tokenizer_hash:
+            raise UserError(f"{field}: the dataset was tokenized with a different tokenizer (hash "
+                            f"{str(self.meta.get('tokenizer_hash'))[:12]} vs {tokenizer_hash[:12]}): "
+                            f"re-run `meshformer preprocess` with the same tokenizer")
+        if self.meta["vocab_size"] > vocab_size:
+            raise UserError(f"model.model_config.vocab_size={vocab_size} is smaller than the dataset's tokenizer "
+                            f"vocabulary ({self.meta['vocab_size']}): set vocab_size >= {self.meta['vocab_size']}")
+
+
+class SampleOrder:
+    """The run's sample sequence: epoch e is a permutation drawn from (seed, e), or 0..n-1 without shuffle."""
+
+    def __init__(self, num_samples: int, seed: int, shuffle: bool):
+        self.n, self.seed, self.shuffle = num_samples, seed, shuffle
+        self._epoch, self._perm = -1, None
+
+    def epoch_order(self, epoch: int) -> torch.Tensor:
+        if epoch != self._epoch:
+            if self.shuffle:
+                g = torch.Generator().manual_seed(self.seed * 7919 + epoch)
+                self._perm = torch.randperm(self.n, generator=g)
+            else:
+                self._perm = torch.arange(self.n)
+            self._epoch = epoch
+        return self._perm
+
+
+class GlobalBatches:
+    """Global batch b (counting from 0 over the whole run) -> this data-parallel rank's sample ids.
+
+    Each epoch yields floor(n / global_batch) batches (drop_remainder). Rank r of `dp` reads the r-th contiguous
+    slice of every global batch, so the samples per optimizer step are the same for every layout.
+    """
+
+    def __init__(self, order: SampleOrder, global_batch: int, dp_rank: int = 0, dp_size: int = 1):
+        if global_batch % dp_size:
+            raise ValueError("global batch must be divisible by the data-parallel size")
+        self.order, self.gb, self.dp_rank, self.dp_size = order, global_batch, dp_rank, dp_size
+        self.per_epoch = order.n // global_batch
+
+    def sample_ids(self, b: int) -> torch.Tensor:
+        epoch, k = divmod(b, self.per_epoch)
+        ids = self.order.epoch_order(epoch)[k * self.gb:(k + 1) * self.gb]
+        per_rank = self.gb // self.dp_size
+        return ids[self.dp_rank * per_rank:(self.dp_rank + 1) * per_rank]
+
+    def batch(self, dataset: PackedDataset, b: int) -> torch.Tensor:
+        """[samples_per_rank, seq_length + 1] token windows for global batch b."""
+        return torch.stack([dataset[int(i)] for i in self.sample_ids(b)])

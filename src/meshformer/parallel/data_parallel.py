@@ -1,0 +1,71 @@
+"""Data parallelism and optimizer sharding on FSDP2's machinery.
+
+- No sharding: `replicate` (DDP semantics on FSDP2's engine: parameters stay whole, gradients are
+  all-reduced/averaged over the data-parallel group after backward).
+- Sharding (`parallel_config.optimizer_shard`, `parallel.enable_parallel_optimizer` or
+  `optimizer.optimizer_parallel > 0`): `fully_shard` over the `dp_shard` mesh dim; when the shard group is
+  smaller than data_parallel the mesh is 2-D (`dp_replicate` x `dp_shard`) and FSDP2 runs HSDP (shard inside
+  a group, all-reduce across groups). Parameters, gradients and AdamW states all live sharded, so memory per
+  rank for them falls by the shard degree.
+
+Each decoder layer is its own FSDP unit (one all-gather / reduce-scatter per layer, overlapped with compute)
+and the root module takes the rest (embedding, final norm, output projection).
+`recompute_config.parallel_optimizer_comm_recompute` picks when parameters are re-sharded: false keeps them
+gathered from forward to backward (ZeRO-2-like, less communication), true frees them after forward and
+all-gathers again in backward (ZeRO-3, less memory).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+from meshformer.config.schema import MeshformerConfig
+from meshformer.parallel.env import ParallelEnv
+
+
+def mixed_precision(cfg: MeshformerConfig) -> MixedPrecisionPolicy:
+    """bf16 compute over fp32 master weights: gather parameters in bf16, reduce gradients in fp32."""
+    mc = cfg.model.model_config
+    if mc.compute_dtype != "float32" and mc.param_init_type == "float32":
+        low = torch.bfloat16 if mc.compute_dtype == "bfloat16" else torch.float16
+        return MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32)
+    return MixedPrecisionPolicy()
+
+
+def reshard_after_forward(cfg: MeshformerConfig) -> bool:
+    zero = getattr(cfg.parallel_config, "zero_stage", None)  # optional schema field (see docs/parallelism.md)
+    if zero is not None:
+        return int(zero) >= 3
+    return bool(cfg.recompute_config.parallel_optimizer_comm_recompute)
+
+
+def apply_data_parallel(model: nn.Module, cfg: MeshformerConfig, env: ParallelEnv) -> None:
+    """Wrap one model part in place for data parallelism over env's dp dims (no-op when dp == 1)."""
+    if env.dp_size == 1:
+        return
+    mp = mixed_precision(cfg)
+    layers = list(model.layers.values())
+    if env.sharded:
+        mesh = env.submesh("dp_replicate", "dp_shard") if env.dp_replicate_size > 1 else env.submesh("dp_shard")
+        reshard = reshard_after_forward(cfg)
+        for layer in layers:
+            fully_shard(layer, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp)
+        # The root's parameters (embedding, norm, head) are used last in forward and first in backward:
+        # keeping them gathered avoids an immediate re-gather.
+        fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=mp)
+    else:
+        from torch.distributed._composable.replicate_with_fsdp import replicate
+
+        mesh = env.submesh("dp_replicate")
+        for layer in layers:
+            replicate(layer, mesh=mesh, mp_policy=mp)
+        replicate(model, mesh=mesh, mp_policy=mp)
+
+
+def set_grad_sync(parts: list[nn.Module], sync: bool) -> None:
+    """Skip the gradient reduce on non-final micro-batches (gradients accumulate locally, reduced once)."""
+    for p in parts:
+        if isinstance(p, FSDPModule):
+            p.set_requires_gradient_sync(sync)

@@ -1,0 +1,106 @@
+"""Throughput, MFU and memory accounting, and the metrics.jsonl log.
+
+MFU = achieved model FLOP/s / peak FLOP/s. Model FLOPs per token follow the PaLM appendix (as Megatron and
+torchtitan do): 6 x (parameters doing matmuls, i.e. all but the input embedding) + 12 x layers x heads x
+head_dim x seq_length for attention scores; recompute is not counted (it is overhead, not model work).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from meshformer.config.schema import ModelConfig
+from meshformer.config.validate import head_dim
+
+# Dense bf16 peak FLOP/s per device, from vendor data sheets (used instead of measuring when recognised).
+KNOWN_PEAKS = {"H200": 989.4e12, "H100": 989.4e12, "A100": 312e12, "L40S": 362e12, "A10": 125e12, "4090": 165.2e12}
+
+
+def flops_per_token(mc: ModelConfig, n_params: int, n_embedding: int) -> float:
+    attn = 12 * mc.num_layers * mc.num_heads * head_dim(mc) * mc.seq_length
+    return 6 * (n_params - n_embedding) + attn
+
+
+def peak_flops(device: torch.device, dtype: torch.dtype, configured: float) -> tuple[float, str]:
+    """(FLOP/s, where it came from): the config, a known accelerator's data sheet, or a timed matmul."""
+    if configured > 0:
+        return configured, "config"
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        for key, val in KNOWN_PEAKS.items():
+            if key in name:
+                return (val if dtype != torch.float32 else val / 2), f"datasheet:{key}"
+    n = 1024
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    for _ in range(2):
+        a @ b
+    reps, t0 = 4, time.perf_counter()
+    for _ in range(reps):
+        a @ b
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return 2 * n**3 * reps / (time.perf_counter() - t0), "measured"
+
+
+def tensor_bytes(tensors) -> int:
+    """Bytes of distinct storages (a DTensor counts its local shard)."""
+    seen, total = set(), 0
+    for t in tensors:
+        if t is None:
+            continue
+        if hasattr(t, "to_local"):
+            t = t.to_local()
+        st = t.untyped_storage()
+        if st.data_ptr() in seen:
+            continue
+        seen.add(st.data_ptr())
+        total += st.nbytes()
+    return total
+
+
+class ActivationCounter:
+    """Counts bytes autograd saves for backward (what recompute and sequence length change) on CPU."""
+
+    def __init__(self):
+        self.bytes, self._seen = 0, set()
+
+    def pack(self, t):
+        local = t
+        if hasattr(t, "__tensor_flatten__") and not type(t) is torch.Tensor and hasattr(t, "_local_tensor"):
+            local = t._local_tensor
+        try:
+            st = local.untyped_storage()
+            key = (st.data_ptr(), st.nbytes())
+            if key not in self._seen:
+                self._seen.add(key)
+                self.bytes += st.nbytes()
+        except (RuntimeError, NotImplementedError):
+            pass
+        return t
+
+    def hooks(self):
+        return torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t)
+
+
+class MetricsLog:
+    """One JSON object per optimizer step appended to {output_dir}/metrics.jsonl (metrics rank only)."""
+
+    def __init__(self, output_dir: str | Path, enabled: bool, resume_step: int | None):
+        self.path = Path(output_dir) / "metrics.jsonl"
+        self.enabled = enabled
+        if enabled and resume_step is not None and self.path.exists():
+            # Drop what the interrupted run logged after the checkpoint it resumes from: one line per step.
+            kept = [ln for ln in self.path.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] <= resume_step]
+            self.path.write_text("".join(k + "\n" for k in kept))
+        elif enabled and resume_step is None and self.path.exists():
+            self.path.unlink()
+
+    def write(self, record: dict) -> None:
+        if self.enabled:
+            with self.path.open("a") as f:
+                f.write(json.dumps(record) + "\n")

@@ -1,0 +1,92 @@
+"""AdamW with the usual exclusions, layer-wise learning-rate decay, and warm-up + decay schedules."""
+
+from __future__ import annotations
+
+import math
+import re
+
+import torch
+
+from meshformer.config.schema import MeshformerConfig
+
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def _layer_depth(name: str, num_layers: int) -> int:
+    """0 for the embedding, i+1 for decoder layer i, num_layers+1 for the final norm and output head."""
+    m = _LAYER.search(name)
+    if m:
+        return int(m.group(1)) + 1
+    return 0 if "embed_tokens" in name else num_layers + 1
+
+
+def param_groups(named_params, cfg: MeshformerConfig) -> list[dict]:
+    """No weight decay on norms and biases (1-D tensors); lr multiplier layer_decay^(L+1-depth) per depth."""
+    oc, mc = cfg.optimizer, cfg.model.model_config
+    groups: dict[tuple, dict] = {}
+    for name, p in named_params:
+        if not p.requires_grad:
+            continue
+        decay = oc.weight_decay if p.ndim >= 2 and "norm" not in name else 0.0
+        scale = 1.0
+        if cfg.layer_decay < 1.0:
+            scale = cfg.layer_decay ** (mc.num_layers + 1 - _layer_depth(name, mc.num_layers))
+        g = groups.setdefault((decay, scale), {"params": [], "weight_decay": decay, "lr_scale": scale})
+        g["params"].append(p)
+    return list(groups.values())
+
+
+def build_optimizer(named_params, cfg: MeshformerConfig) -> torch.optim.Optimizer:
+    oc = cfg.optimizer
+    betas = tuple(oc.betas) if oc.betas is not None else (oc.beta1, oc.beta2)
+    lr = peak_lr(cfg)
+    groups = param_groups(named_params, cfg)
+    for g in groups:
+        g["lr"] = lr * g["lr_scale"]
+    return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=oc.eps, foreach=oc.foreach)
+
+
+def peak_lr(cfg: MeshformerConfig) -> float:
+    ls = cfg.lr_schedule
+    return ls.learning_rate if ls.learning_rate is not None else cfg.optimizer.learning_rate
+
+
+def warmup_steps(cfg: MeshformerConfig, total: int) -> int:
+    if cfg.optimizer.warmup_steps is not None:
+        return cfg.optimizer.warmup_steps
+    if cfg.lr_schedule.warmup_steps is not None:
+        return cfg.lr_schedule.warmup_steps
+    return int(cfg.lr_schedule.warmup_ratio * total)
+
+
+def lr_at(step: int, *, peak: float, end: float, warmup: int, total: int, kind: str) -> float:
+    """Learning rate for optimizer step `step` (0-based): linear warm-up to peak, then decay to end at total."""
+    if warmup > 0 and step < warmup:
+        return peak * (step + 1) / warmup
+    if kind in ("ConstantWarmUpLR", "constant"):
+        return peak
+    span = max(1, total - warmup)
+    progress = min(1.0, (step - warmup) / span)
+    if kind in ("LinearWithWarmUpLR", "linear"):
+        return end + (peak - end) * (1.0 - progress)
+    return end + (peak - end) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+class Schedule:
+    """Sets every param group's lr for a step (group lr = schedule lr x the group's layer-decay scale)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, cfg: MeshformerConfig, total_steps: int):
+        self.opt = optimizer
+        ls = cfg.lr_schedule
+        self.total = ls.total_steps if ls.total_steps > 0 else total_steps
+        self.kw = dict(peak=peak_lr(cfg), end=ls.lr_end, warmup=warmup_steps(cfg, self.total), total=self.total,
+                       kind=ls.type)
+
+    def lr(self, step: int) -> float:
+        return lr_at(step, **self.kw)
+
+    def apply(self, step: int) -> float:
+        lr = self.lr(step)
+        for g in self.opt.param_groups:
+            g["lr"] = lr * g.get("lr_scale", 1.0)
+        return lr

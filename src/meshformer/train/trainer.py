@@ -1,0 +1,291 @@
+"""The training loop: config in; trained weights, metrics.jsonl and checkpoints out.
+
+The loop knows nothing about the layout: `meshformer.parallel` hands it a ParallelEnv (ranks, reductions)
+and ModelParts (forward/backward over this rank's part). One optimizer step consumes exactly one global
+batch, so "global batch b" and "step b" are the same number, and resuming needs only the step.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import shutil
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import yaml
+
+from meshformer.checkpoint import store
+from meshformer.config.load import to_dict
+from meshformer.config.schema import MeshformerConfig
+from meshformer.data.dataset import GlobalBatches, PackedDataset, SampleOrder
+from meshformer.errors import UserError
+from meshformer.models import DTYPE, build_model, materialize
+from meshformer.parallel import ModelParts, ParallelEnv, init_parallel, parallelize
+from meshformer.train import metrics as M
+from meshformer.train.optim import Schedule, build_optimizer
+from meshformer.train.progress import Progress
+
+
+@dataclass
+class BatchPlan:
+    micro_batch: int   # samples per forward pass
+    n_micro: int       # forward passes per optimizer step on each rank (accumulation x pipeline micro-batches)
+    global_batch: int  # samples per optimizer step, all ranks together
+
+    @classmethod
+    def from_config(cls, cfg: MeshformerConfig, env: ParallelEnv) -> "BatchPlan":
+        pc = cfg.parallel_config
+        mb = cfg.train_dataset.batch_size
+        n_micro = cfg.runner_config.gradient_accumulation_steps * (pc.micro_batch_num if pc.pipeline_stage > 1 else 1)
+        return cls(mb, n_micro, mb * n_micro * env.dp_size)
+
+    def describe(self, cfg: MeshformerConfig, env: ParallelEnv) -> str:
+        pc = cfg.parallel_config
+        pp = f" x micro_batch_num {pc.micro_batch_num}" if pc.pipeline_stage > 1 else ""
+        return (f"global batch {self.global_batch} = micro batch {self.micro_batch} x data_parallel {env.dp_size} "
+                f"x gradient_accumulation {cfg.runner_config.gradient_accumulation_steps}{pp}")
+
+
+def make_loss_fn(cfg: MeshformerConfig):
+    ignore = cfg.model.model_config.ignore_token_id
+    dtype = DTYPE[cfg.model.model_config.softmax_compute_dtype]
+
+    def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Summed token cross-entropy; normalising by the global token count is the trainer's job."""
+        return F.cross_entropy(logits.flatten(0, 1).to(dtype), labels.flatten(), ignore_index=ignore,
+                               reduction="sum").float()
+    return loss_fn
+
+
+def file_sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+class Trainer:
+    def __init__(self, cfg: MeshformerConfig, notices: list[str] | None = None):
+        self.cfg = cfg
+        self.mc = cfg.model.model_config
+        self.out = Path(cfg.output_dir)
+        self.env = init_parallel(cfg)
+        self.console = Progress(cfg.monitor_config.progress_bar, enabled=self.env.is_metrics_rank)
+        for n in notices or []:
+            self.console.log(f"note: {n}")
+        self.plan = BatchPlan.from_config(cfg, self.env)
+        self._open_data()
+        self.resume_from = self._find_resume()
+        self._check_output_dir()
+        self._build_model()
+
+    # ---- set-up -------------------------------------------------------------------------------------------
+    def _open_data(self) -> None:
+        cfg, field = self.cfg, "train_dataset.data_loader.dataset_dir"
+        if cfg.train_dataset.data_loader.type != "MindDataset":
+            raise UserError(f"{field}: only MindDataset directories are supported")
+        self.train_ds = PackedDataset(cfg.train_dataset.data_loader.dataset_dir, cfg.train_dataset.split,
+                                      self.mc.seq_length, field)
+        tok = self.train_ds.dir / "tokenizer.json"
+        if not tok.is_file():
+            raise UserError(f"{field}: {tok} is missing: re-run `meshformer preprocess`")
+        self.tokenizer_file, self.tokenizer_hash = tok, file_sha256(tok)
+        self.train_ds.check_tokenizer(self.tokenizer_hash, self.mc.vocab_size, field)
+        ev = cfg.eval_dataset
+        self.eval_ds = None
+        if cfg.do_eval or cfg.eval_config.eval_interval > 0:
+            eval_dir = ev.data_loader.dataset_dir or cfg.train_dataset.data_loader.dataset_dir
+            split = "validation" if not ev.data_loader.dataset_dir or ev.split == "train" else ev.split
+            self.eval_ds = PackedDataset(eval_dir, split, self.mc.seq_length, "eval_dataset.data_loader.dataset_dir")
+            self.eval_ds.check_tokenizer(self.tokenizer_hash, self.mc.vocab_size, "eval_dataset.data_loader.dataset_dir")
+        order = SampleOrder(len(self.train_ds), self.cfg.seed, cfg.train_dataset.data_loader.shuffle)
+        if order.n < self.plan.global_batch:
+            raise UserError(f"train_dataset: {order.n} samples of seq_length {self.mc.seq_length} are fewer than one "
+                            f"global batch ({self.plan.describe(cfg, self.env)}): add data or shrink the batch")
+        self.batches = GlobalBatches(order, self.plan.global_batch, self.env.dp_rank, self.env.dp_size)
+        rc = cfg.runner_config
+        self.total_steps = rc.stop_step or rc.epochs * self.batches.per_epoch
+
+    def _find_resume(self) -> Path | None:
+        cfg = self.cfg
+        if not cfg.resume_training:
+            return None
+        src = cfg.load_checkpoint or str(self.out)
+        if not cfg.load_checkpoint and not store.list_checkpoints(self.out):
+            self.console.log(f"resume_training: no checkpoint in {self.out} yet; starting from step 0")
+            return None
+        return store.resolve_checkpoint(src)
+
+    def _check_output_dir(self) -> None:
+        existing = store.list_checkpoints(self.out) or (self.out / "metrics.jsonl").exists()
+        if existing and self.resume_from is None and not self.cfg.resume_training:
+            if not self.cfg.overwrite_output_dir:
+                raise UserError(f"output_dir={str(self.out)!r} already holds a run (checkpoints or metrics.jsonl): "
+                                f"set resume_training: true to continue it, overwrite_output_dir: true to replace it, "
+                                f"or choose another output_dir")
+            self.env.barrier()
+            if self.env.rank == 0:
+                shutil.rmtree(store.checkpoint_root(self.out), ignore_errors=True)
+        self.env.barrier()
+        if self.env.rank == 0:
+            self.out.mkdir(parents=True, exist_ok=True)
+
+    def _build_model(self) -> None:
+        cfg, env = self.cfg, self.env
+        model = build_model(self.mc)
+        self.n_params = sum(p.numel() for p in model.parameters())
+        self.n_embedding = model.embed_tokens.weight.numel()
+        if self.mc.tie_word_embeddings:  # the tied head does matmul work: count it once as a matmul weight
+            self.n_embedding = 0
+        self.parts: ModelParts = parallelize(model, cfg, env, make_loss_fn(cfg))
+        for part in self.parts.parts:
+            materialize(part, env.device, cfg.seed, DTYPE[self.mc.param_init_type])
+        self.optimizer = build_optimizer(self.parts.named_parameters(), cfg)
+        self.schedule = Schedule(self.optimizer, cfg, self.total_steps)
+        self.start_step = 0
+        if self.resume_from is not None:
+            self._restore(self.resume_from)
+        elif cfg.load_checkpoint:
+            ckpt = store.resolve_checkpoint(cfg.load_checkpoint)
+            self._check_ckpt_tokenizer(ckpt)
+            store.load_model_weights(ckpt, self.parts.parts)
+            self.console.log(f"loaded weights from {ckpt}")
+
+    def _check_ckpt_tokenizer(self, ckpt: Path) -> None:
+        tok = ckpt / "tokenizer.json"
+        if tok.is_file() and file_sha256(tok) != self.tokenizer_hash:
+            raise UserError(f"load_checkpoint={str(ckpt)!r} was trained with a different tokenizer than "
+                            f"train_dataset's: preprocess the data with the checkpoint's tokenizer.json")
+
+    def _restore(self, ckpt: Path) -> None:
+        state = store.read_trainer_state(ckpt)
+        self._check_ckpt_tokenizer(ckpt)
+        store.load_model_weights(ckpt, self.parts.parts)
+        store.load_optimizer(ckpt, self.parts.parts, self.optimizer)
+        self.start_step = int(state["step"])
+        self.console.log(f"resumed from {ckpt} at step {self.start_step}")
+
+    # ---- the loop -----------------------------------------------------------------------------------------
+    def train(self) -> dict:
+        cfg, env, plan = self.cfg, self.env, self.plan
+        mons = {c.type: c for c in cfg.callbacks}
+        print_every = mons["MFLossMonitor"].per_print_times if "MFLossMonitor" in mons else 1
+        ckpt_cb = mons.get("CheckpointMonitor")
+        log = M.MetricsLog(self.out, env.is_metrics_rank, self.start_step if self.resume_from else None)
+        compute_dtype = DTYPE[self.mc.compute_dtype]
+        peak, peak_src = M.peak_flops(env.device, compute_dtype, cfg.monitor_config.peak_flops)
+        fpt = M.flops_per_token(self.mc, self.n_params, self.n_embedding)
+        tokens_per_step = plan.global_batch * self.mc.seq_length
+        self.console.log(f"model {self.n_params / 1e6:.2f}M parameters, {fpt / 1e6:.1f} MFLOP/token; "
+                         f"{plan.describe(cfg, env)}; {self.total_steps} steps; peak {peak / 1e12:.3f} TFLOP/s "
+                         f"per device ({peak_src}); world size {env.world_size}")
+        mem_state = None
+        last = {}
+        self.parts.train()
+        self.console.start(self.total_steps, self.start_step)
+        for step in range(self.start_step, self.total_steps):
+            t0 = time.perf_counter()
+            tokens = self.batches.batch(self.train_ds, step).to(env.device)
+            inputs, labels = tokens[:, :-1], tokens[:, 1:]
+            n_tok = env.all_reduce_sum_dp((labels != self.mc.ignore_token_id).sum().to(torch.float64))
+            lr = self.schedule.apply(step)
+            counter = M.ActivationCounter() if step == self.start_step and env.device.type == "cpu" else None
+            if counter is not None:
+                with counter.hooks():
+                    loss_sum = self.parts.forward_backward(inputs, labels, plan.n_micro, env.grad_average_size / n_tok.item())
+            else:
+                loss_sum = self.parts.forward_backward(inputs, labels, plan.n_micro, env.grad_average_size / n_tok.item())
+            loss = (env.all_reduce_sum_dp(loss_sum.to(torch.float64)) / n_tok).item()
+            clip = cfg.runner_wrapper.max_grad_norm if cfg.runner_wrapper.use_clip_grad else None
+            grad_norm = float(self.parts.clip_grad_norm_(clip))
+            self.optimizer.step()
+            if mem_state is None:  # after the first step: gradients and optimizer states all exist
+                mem_state = self._state_bytes()
+            self.optimizer.zero_grad(set_to_none=True)
+            if env.device.type == "cuda":
+                torch.cuda.synchronize(env.device)
+            dt = time.perf_counter() - t0
+            done = step + 1
+            rec = {"step": done, "loss": loss, "lr": lr, "grad_norm": grad_norm,
+                   "tokens_per_s": tokens_per_step / dt, "samples_per_s": plan.global_batch / dt,
+                   "mfu": fpt * tokens_per_step / dt / (peak * env.world_size), "step_time_s": dt,
+                   "peak_mem_bytes": self._peak_mem(mem_state, counter, plan.n_micro)}
+            if self.eval_ds is not None and self._eval_due(done):
+                rec["eval_loss"] = self.evaluate()
+            if not math.isfinite(loss):
+                self.console.log(f"step {done}: loss is {loss}; check learning_rate, data and gradient clipping")
+            log.write(rec)
+            last = rec
+            self.console.step(done, rec, print_now=(done % print_every == 0 or done == self.total_steps))
+            if ckpt_cb is not None and done % ckpt_cb.save_checkpoint_steps == 0 and done < self.total_steps:
+                self.save(done, ckpt_cb.keep_checkpoint_max)
+        self.console.stop()
+        if self.total_steps > self.start_step or not store.list_checkpoints(self.out):
+            self.save(self.total_steps, ckpt_cb.keep_checkpoint_max if ckpt_cb else 5)
+        return last
+
+    def _eval_due(self, done: int) -> bool:
+        every = self.cfg.eval_config.eval_interval
+        return (every > 0 and done % every == 0) or (self.cfg.do_eval and done == self.total_steps)
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Mean token loss over eval_iters validation batches (fixed order, so comparable across steps)."""
+        env, plan, ds = self.env, self.plan, self.eval_ds
+        self.parts.train(False)
+        order = GlobalBatches(SampleOrder(len(ds), 0, False), min(plan.global_batch // plan.n_micro or 1, len(ds)),
+                              0, 1)
+        total = torch.zeros((), dtype=torch.float64, device=env.device)
+        count = torch.zeros((), dtype=torch.float64, device=env.device)
+        for b in range(min(self.cfg.eval_config.eval_iters, order.per_epoch)):
+            ids = order.sample_ids(b)
+            per_rank = max(1, len(ids) // env.dp_size)
+            mine = ids[env.dp_rank * per_rank:(env.dp_rank + 1) * per_rank]
+            tokens = torch.stack([ds[int(i)] for i in mine]).to(env.device)
+            inputs, labels = tokens[:, :-1], tokens[:, 1:]
+            total += self.parts.eval_loss(inputs, labels).to(torch.float64)
+            count += (labels != self.mc.ignore_token_id).sum()
+        self.parts.train(True)
+        return (env.all_reduce_sum_dp(total) / env.all_reduce_sum_dp(count)).item()
+
+    def _state_bytes(self) -> int:
+        params = list(self.parts.parameters())
+        states = [v for s in self.optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
+        return M.tensor_bytes(params) + M.tensor_bytes(p.grad for p in params) + M.tensor_bytes(states)
+
+    def _peak_mem(self, state_bytes: int, counter, n_micro: int) -> int:
+        if self.env.device.type == "cuda":
+            return torch.cuda.max_memory_allocated(self.env.device)
+        # CPU has no allocator peak: parameters + gradients + optimizer states (exact storage sums) plus the
+        # activations one micro-batch saves for backward (counted with saved-tensor hooks on the first step).
+        if counter is not None:
+            self._act_bytes = counter.bytes // max(1, n_micro)
+        return state_bytes + getattr(self, "_act_bytes", 0)
+
+    # ---- checkpoints --------------------------------------------------------------------------------------
+    def save(self, step: int, keep: int) -> None:
+        env = self.env
+        path = store.checkpoint_root(self.out) / f"step_{step:08d}"
+        state = {"step": step, "global_batch": self.plan.global_batch, "seed": self.cfg.seed,
+                 "tokenizer_hash": self.tokenizer_hash, "layout": {
+                     "data_parallel": env.dp_size, "model_parallel": env.tp_size, "pipeline_stage": env.pp_size}}
+        files = {"config.yaml": yaml.safe_dump(to_dict(self.cfg), sort_keys=False).encode(),
+                 "tokenizer.json": self.tokenizer_file.read_bytes()}
+        store.save_checkpoint(path, self.parts.parts, self.optimizer, state, files, env.rank == 0, env.barrier)
+        if env.rank == 0:
+            store.prune_checkpoints(self.out, keep)
+        self.console.log(f"saved checkpoint {path}")
+
+
+def run_training(cfg: MeshformerConfig, notices: list[str] | None = None) -> dict:
+    trainer = Trainer(cfg, notices)
+    try:
+        return trainer.train()
+    finally:
+        trainer.env.shutdown()
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit("use `meshformer train CONFIG`")
