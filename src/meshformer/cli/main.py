@@ -32,12 +32,22 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def is_override(arg: str) -> bool:
+    """`--section.field` or `--top_level_field`: a config override rather than a command option."""
+    import dataclasses
+    from meshformer.config.schema import MeshformerConfig
+    if not arg.startswith("--"):
+        return False
+    key = arg[2:].split("=", 1)[0]
+    return "." in key or key in {f.name for f in dataclasses.fields(MeshformerConfig)}
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = build_parser()
     try:
         # Dotted overrides (--section.field VALUE) run to the end of the line; argparse sees the rest.
-        cut = next((i for i, a in enumerate(argv) if a.startswith("--") and "." in a.split("=", 1)[0]), len(argv))
+        cut = next((i for i, a in enumerate(argv) if is_override(a)), len(argv))
         args = parser.parse_args(argv[:cut])
         if cut < len(argv) and not getattr(args, "accepts_overrides", False):
             parser.error(f"unrecognized arguments: {' '.join(argv[cut:])}")

@@ -182,7 +182,7 @@ class Trainer:
                          f"{plan.describe(cfg, env)}; {self.total_steps} steps; peak {peak / 1e12:.3f} TFLOP/s "
                          f"per device ({peak_src}); world size {env.world_size}")
         mem_state = None
-        last = {}
+        first, last = None, {}
         self.parts.train()
         self.console.start(self.total_steps, self.start_step)
         for step in range(self.start_step, self.total_steps):
@@ -217,11 +217,14 @@ class Trainer:
             if not math.isfinite(loss):
                 self.console.log(f"step {done}: loss is {loss}; check learning_rate, data and gradient clipping")
             log.write(rec)
-            last = rec
+            first, last = first or rec, rec
             self.console.step(done, rec, print_now=(done % print_every == 0 or done == self.total_steps))
             if ckpt_cb is not None and done % ckpt_cb.save_checkpoint_steps == 0 and done < self.total_steps:
                 self.save(done, ckpt_cb.keep_checkpoint_max)
         self.console.stop()
+        if first is not None:
+            self.console.log(f"loss {first['loss']:.4f} (step {first['step']}) -> {last['loss']:.4f} "
+                             f"(step {last['step']}); metrics in {self.out / 'metrics.jsonl'}")
         if self.total_steps > self.start_step or not store.list_checkpoints(self.out):
             self.save(self.total_steps, ckpt_cb.keep_checkpoint_max if ckpt_cb else 5)
         return last

@@ -1,0 +1,34 @@
+# Two entry points for a fresh machine: `make demo` (train on Shakespeare, then generate) and `make test`.
+# Both create .venv at the repository root when missing: torch==2.13.0 first (the CPU build; an unpinned torch
+# pulls several GB of CUDA), then meshformer itself with its test extras.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.meshformer-installed
+CORPUS := $(wildcard data/shakespeare/*.txt)
+
+.PHONY: demo test venv bench clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --disable-pip-version-check torch==2.13.0
+	$(BIN)/pip install --quiet --disable-pip-version-check -e '.[test]'
+	touch $@
+
+demo: $(STAMP)
+	$(BIN)/meshformer tokenizer train --input $(CORPUS) --vocab-size 2048 --output runs/demo_tokenizer --overwrite
+	$(BIN)/meshformer preprocess --input $(CORPUS) --tokenizer runs/demo_tokenizer --output runs/demo_data --overwrite
+	$(BIN)/meshformer train configs/demo_shakespeare.yaml
+	$(BIN)/meshformer generate --checkpoint runs/demo --prompt "ROMEO." --max-new-tokens 80 --top-p 0.9 --temperature 0.8 --seed 0
+
+test: $(STAMP)
+	$(BIN)/python -m pytest tests
+
+bench: $(STAMP)
+	$(BIN)/python bench/bench_vs_hf.py
+
+clean:
+	rm -rf runs output
