@@ -11,8 +11,6 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
 from meshformer.errors import UserError
 
 
@@ -30,6 +28,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--top-k", type=int, default=0, metavar="K", help="sample from the K most likely tokens (default 0: off)")
     p.add_argument("--greedy", action="store_true", help="always take the most likely token (ignores sampling flags)")
     p.add_argument("--seed", type=int, default=None, metavar="S", help="seed for reproducible sampling (default: random)")
+    p.add_argument("--device", default=None, help="where to run, e.g. cpu or cuda:0 (default: cuda when available)")
     p.set_defaults(func=run)
 
 
@@ -48,10 +47,22 @@ def check_args(args: argparse.Namespace) -> None:
         raise UserError(f"--checkpoint {args.checkpoint!r} does not exist: pass a run's output_dir or a checkpoint directory")
 
 
-def encode_prompt(tokenizer, prompt: str, mc) -> list[int]:
+def special_ids(tokenizer, mc) -> tuple[int | None, int | None]:
+    """(bos, eos): the model config's ids when set, else the tokenizer's own special tokens (or None)."""
+    from meshformer.data.tokenizer import special_token_ids
+    try:
+        found = special_token_ids(tokenizer)
+    except UserError:  # a tokenizer without an end-of-text token: generate to max-new-tokens
+        found = {"bos": None, "eos": None}
+    bos = mc.bos_token_id if mc.bos_token_id is not None else found["bos"]
+    eos = mc.eos_token_id if mc.eos_token_id is not None else found["eos"]
+    return bos, eos
+
+
+def encode_prompt(tokenizer, prompt: str, mc, bos: int | None) -> list[int]:
     ids = list(tokenizer.encode(prompt).ids)
-    if not ids and mc.bos_token_id is not None:  # an empty prompt starts from BOS
-        ids = [mc.bos_token_id]
+    if not ids and bos is not None:  # an empty prompt starts from BOS
+        ids = [bos]
     if not ids:
         raise UserError("--prompt encodes to no tokens: give some text to continue")
     bad = [t for t in ids if t >= mc.vocab_size]
@@ -62,13 +73,17 @@ def encode_prompt(tokenizer, prompt: str, mc) -> list[int]:
 
 
 def run(args: argparse.Namespace) -> int:
+    import torch  # here, not at module level: every `meshformer` command imports this module
+
     check_args(args)
     from meshformer import checkpoint  # looked up at call time so tests can substitute the loader
     from meshformer.models.generate import generate
 
-    model, cfg, tokenizer = checkpoint.load_for_inference(args.checkpoint)
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    model, cfg, tokenizer = checkpoint.load_for_inference(args.checkpoint, device=device)
     mc = cfg.model.model_config
-    ids = encode_prompt(tokenizer, args.prompt, mc)
+    bos, eos = special_ids(tokenizer, mc)
+    ids = encode_prompt(tokenizer, args.prompt, mc, bos)
     gen = None
     if not args.greedy:
         gen = torch.Generator(device=next(model.parameters()).device)
@@ -78,7 +93,7 @@ def run(args: argparse.Namespace) -> int:
             gen.manual_seed(args.seed)
     t0 = time.perf_counter()
     new = generate(model, ids, args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                   top_k=args.top_k, greedy=args.greedy, eos_id=mc.eos_token_id, generator=gen)
+                   top_k=args.top_k, greedy=args.greedy, eos_id=eos, generator=gen)
     dt = time.perf_counter() - t0
     # Decode prompt and completion together (tokenizers merge spaces across the boundary), then keep the
     # user's prompt text verbatim when the tokenizer round-trips it.

@@ -32,6 +32,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def command_options(parser: argparse.ArgumentParser, argv: list[str]) -> set[str]:
+    """Option strings (--seed, ...) of the sub-command named first in argv."""
+    for action in parser._subparsers._group_actions if parser._subparsers else ():
+        sub = getattr(action, "choices", {}).get(argv[0]) if argv else None
+        if sub is not None:
+            return set(sub._option_string_actions)
+    return set()
+
+
 def is_override(arg: str) -> bool:
     """`--section.field` or `--top_level_field`: a config override rather than a command option."""
     import dataclasses
@@ -47,7 +56,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     try:
         # Dotted overrides (--section.field VALUE) run to the end of the line; argparse sees the rest.
-        cut = next((i for i, a in enumerate(argv) if is_override(a)), len(argv))
+        own = command_options(parser, argv)  # a sub-command's own flags (generate --seed) are never overrides
+        cut = next((i for i, a in enumerate(argv) if is_override(a) and a.split("=", 1)[0] not in own), len(argv))
         args = parser.parse_args(argv[:cut])
         if cut < len(argv) and not getattr(args, "accepts_overrides", False):
             parser.error(f"unrecognized arguments: {' '.join(argv[cut:])}")

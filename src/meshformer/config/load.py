@@ -6,6 +6,7 @@ did-you-mean, values get type and range checks, MindSpore-only keys are accepted
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import sys
@@ -76,14 +77,21 @@ def apply_override(data: dict, dotted: str, value: Any) -> None:
             node = _list_item(node, part, ".".join(parts[:depth + 1]))
             continue
         nxt = node.get(part)
-        if nxt is None:
-            nxt = node[part] = {}
+        if nxt is None:  # a section the file leaves out starts from its schema default (callbacks is a list)
+            nxt = node[part] = _default_section(parts[:depth + 1]) if node is data else {}
         if not isinstance(nxt, (dict, list)):
             raise UserError(f"override --{dotted}: {'.'.join(parts[:depth + 1])} is a value, not a section")
         node = nxt
     if isinstance(node, list):
         raise UserError(f"override --{dotted}: address a list item's field, e.g. --callbacks.0.per_print_times 5")
     node[parts[-1]] = value
+
+
+def _default_section(path: list[str]) -> dict | list:
+    """The schema default of a top-level list field (a copy), else an empty mapping."""
+    f = {f.name: f for f in dataclasses.fields(MeshformerConfig)}.get(path[0]) if len(path) == 1 else None
+    default = field_default(f) if f is not None else None
+    return copy.deepcopy(default) if isinstance(default, list) else {}
 
 
 def _list_item(items: list, part: str, where: str) -> dict:
@@ -128,7 +136,10 @@ def from_dict(cls: type, data: Any, path: tuple, notices: list[str]) -> Any:
                 f"valid fields: {', '.join(sorted(fields))}"
             raise UserError(f"unknown config key {_dot(path, key)!r}: {hint}")
         if name in kwargs:
-            raise UserError(f"{_dot(path, key)} is given twice (also as {name!r}): keep one")
+            again = _convert(hints[name], value, path + (name,), fields[name].metadata, notices)
+            if again == kwargs[name]:  # MindSpore files repeat a value under its alias (theta, rotary_emb_base)
+                continue
+            raise UserError(f"{_dot(path, key)}={value!r} contradicts {_dot(path, name)}={kwargs[name]!r}: keep one")
         kwargs[name] = _convert(hints[name], value, path + (name,), fields[name].metadata, notices)
     for name, f in fields.items():  # list defaults whose items have a schema are built like given values
         if name not in kwargs and path + (name,) in LIST_ITEM_SCHEMAS:

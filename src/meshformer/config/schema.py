@@ -61,12 +61,14 @@ class ModelConfig:
     softmax_compute_dtype: str = F("float32", "Dtype of attention softmax and the loss's log-softmax.",
                                    choices=DTYPES, aliases=("softmax_compute_type",))
     rotary_dtype: str = F("float32", "Dtype the rotary cos/sin tables are computed in.", choices=DTYPES)
-    param_init_type: str = F("float32", "Dtype parameters are stored in (the master weights).", choices=DTYPES)
+    param_init_type: str = F("float32", "Dtype parameters are stored in (the master weights).", choices=DTYPES,
+                             aliases=("params_dtype",))
     init_std: float = F(0.02, "Standard deviation of the normal weight initialisation.", gt=0)
     bos_token_id: int | None = F(None, "Beginning-of-sequence id (default: the tokenizer's).")
     eos_token_id: int | None = F(None, "End-of-sequence id (default: the tokenizer's).")
     pad_token_id: int | None = F(None, "Padding id (default: the tokenizer's).")
     ignore_token_id: int = F(-100, "Label value that the loss ignores.")
+    pet_config: dict | None = F(None, "Parameter-efficient fine-tuning (pet_type: lora); not supported yet, rejected.")
     offset: int | list = F(0, "Pipeline layer split: 0 for even, or a list of per-stage layer-count adjustments.")
 
 
@@ -158,7 +160,8 @@ class RunnerWrapperConfig:
     type: str = F("MFTrainOneStepCell", "MindSpore step wrapper (accepted; meshformer always clips when use_clip_grad).")
     use_clip_grad: bool = F(True, "Clip the global gradient norm to max_grad_norm.")
     max_grad_norm: float = F(1.0, "Gradient clipping threshold (global L2 norm).", gt=0)
-    scale_sense: dict = F({}, "MindSpore loss scaling (accepted; bf16 needs none, fp16 scales dynamically).")
+    scale_sense: float | dict = F({}, "MindSpore loss scaling: a fixed scale or a DynamicLossScaleUpdateCell (accepted; "
+                                      "bf16 needs none).")
 
 
 @dataclass
@@ -247,16 +250,17 @@ IGNORED_KEYS = {
          "autotune_per_step", "profile", "profile_start_step", "profile_stop_step", "init_start_profile",
          "profile_communication", "profile_memory", "layer_scale", "lr_scale_factor", "remote_save_url",
          "src_strategy_path_or_dir", "auto_trans_ckpt", "only_save_strategy", "load_ckpt_format",
-         "train_dataset_task", "eval_dataset_task", "moe_config"},
-    ("train_dataset",): {"input_columns", "construct_args_key", "num_parallel_workers", "python_multiprocessing",
+         "train_dataset_task", "eval_dataset_task", "moe_config", "use_legacy", "pretrained_model_dir"},
+    ("parallel",): {"strategy_ckpt_config", "dataset_strategy"},
+    ("train_dataset",): {"seed", "input_columns", "construct_args_key", "num_parallel_workers", "python_multiprocessing",
                          "repeat", "numa_enable", "prefetch_size", "output_columns"},
-    ("eval_dataset",): {"input_columns", "construct_args_key", "num_parallel_workers", "python_multiprocessing",
+    ("eval_dataset",): {"seed", "input_columns", "construct_args_key", "num_parallel_workers", "python_multiprocessing",
                         "repeat", "numa_enable", "prefetch_size", "output_columns"},
     ("model", "model_config"): {"batch_size", "use_past", "use_flash_attention", "checkpoint_name_or_path",
                                 "repetition_penalty", "max_decode_length", "top_k", "top_p", "do_sample",
                                 "scaling_factor", "extend_method", "max_position_embedding", "emb_dropout_prob",
                                 "use_past_shard", "fine_grain_interleave", "qkv_concat", "rotary_pct",
-                                "is_dynamic", "block_size", "num_blocks"},
+                                "is_dynamic", "block_size", "num_blocks", "input_sliced_sig", "router_dense_type"},
 }
 
 

@@ -56,6 +56,8 @@ def validate_config(cfg: MeshformerConfig) -> None:
                         f"choose from {_divisors(mc.num_heads)}")
     if mc.rms_norm_eps >= 1:
         raise UserError(f"model.model_config.rms_norm_eps={mc.rms_norm_eps} is too large: use a small value like 1e-5")
+    if mc.pet_config:
+        raise UserError("model.model_config.pet_config (LoRA) is not supported yet: remove it to train all parameters")
     validate_layout(cfg, world_size=None)
     rc = cfg.recompute_config.recompute
     pp = cfg.parallel_config.pipeline_stage

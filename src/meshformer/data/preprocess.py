@@ -94,7 +94,7 @@ def _iter_jsonl(path: Path, text_field: str) -> Iterator[tuple[str, str]]:
                     raise UserError(f"{where}: no {text_field!r} field (fields: {keys}): {fix}")
                 text = obj[text_field]
                 if not isinstance(text, str):
-                    raise UserError(f"{where}: field {text_field!r} is a {type(text).__name__}, not a string: {fix}")
+                    raise UserError(f"{where}: field {text_field!r} is {type(text).__name__}, not a string: {fix}")
                 yield where, text
     except UnicodeDecodeError as e:
         raise UserError(f"{path}: not UTF-8 text (bad byte at offset {e.start}): convert it to UTF-8") from None
@@ -111,8 +111,9 @@ def iter_documents(paths: list[Path], text_field: str = "text",
         if p.suffix.lower() == ".jsonl":
             yield from _iter_jsonl(p, text_field)
         elif split_blank_lines:
-            for i, para in enumerate(re.split(r"\n[ \t]*\n", _read_text(p))):
-                yield f"{p}#{i}", para.strip()
+            paras = (para.strip() for para in re.split(r"\n[ \t]*\n", _read_text(p)))
+            # Runs of blank lines are layout, not empty documents: don't count them as skipped.
+            yield from ((f"{p}#{i}", para) for i, para in enumerate(paras) if para)
         else:
             yield str(p), _read_text(p)
 
@@ -174,6 +175,48 @@ def _scan(paths, text_field, split_blank_lines, val_fraction, keep_duplicates) -
     return decisions, counts
 
 
+def _tokenize(tok, paths, decisions: bytearray, mode: str, val_fraction: float, writers: dict,
+              text_field: str, split_blank_lines: bool) -> None:
+    """Pass 2: encode the kept documents in batches and append them to their split (or both, in tail mode)."""
+    progress = Progress(TextColumn("tokenizing"), BarColumn(), MofNCompleteColumn(), TextColumn("documents"),
+                        TimeRemainingColumn(), console=Console(stderr=True),
+                        disable=not Console(stderr=True).is_terminal, transient=True)
+    changed = UserError(f"--input: {', '.join(map(str, paths))} changed while being read: re-run")
+    batch: list[tuple[str, int]] = []
+    chars = done = 0
+
+    def flush() -> None:
+        encs = tok.encode_batch_fast([t for t, _ in batch], add_special_tokens=False)
+        for enc, (_, d) in zip(encs, batch):
+            t = np.asarray(enc.ids, dtype=np.int64)
+            if mode == "tail" and len(t) >= 2:
+                m = min(len(t) - 1, math.ceil(len(t) * val_fraction))  # >= 1 token each, train keeps >= 1
+                writers["train"].add(t[:len(t) - m])
+                writers["validation"].add(t[len(t) - m:])
+            else:
+                writers["validation" if mode == "document" and d == VAL else "train"].add(t)
+        batch.clear()
+
+    with progress:
+        task = progress.add_task("tokenize", total=len(decisions))
+        for i, (_, text) in enumerate(iter_documents(paths, text_field, split_blank_lines)):
+            if i >= len(decisions):
+                raise changed
+            if decisions[i] != SKIP:
+                batch.append((text, decisions[i]))
+                chars += len(text)
+            if len(batch) >= BATCH_DOCS or chars >= BATCH_CHARS:
+                flush()
+                chars = 0
+                progress.update(task, completed=i + 1)
+            done = i + 1
+        if done != len(decisions):
+            raise changed
+        if batch:
+            flush()
+        progress.update(task, completed=done)
+
+
 def preprocess(inputs: list[str] | list[Path], tokenizer: str | Path, output: str | Path,
                val_fraction: float = 0.02, keep_duplicates: bool = False, overwrite: bool = False,
                text_field: str = "text", split_blank_lines: bool = False, console: Console | None = None) -> dict:
@@ -199,7 +242,7 @@ def preprocess(inputs: list[str] | list[Path], tokenizer: str | Path, output: st
     decisions, counts = _scan(paths, text_field, split_blank_lines, val_fraction, keep_duplicates)
     kept = sum(1 for d in decisions if d != SKIP)
     if kept == 0:
-        raise UserError(f"--input: {', '.join(map(str, paths))} hold no text: give files with text in them")
+        raise UserError(f"--input: no text in {', '.join(map(str, paths))}: give files with text in them")
     val_docs = decisions.count(VAL)
     if val_fraction == 0:
         mode = "none"
@@ -212,44 +255,10 @@ def preprocess(inputs: list[str] | list[Path], tokenizer: str | Path, output: st
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
+    writers: dict[str, _SplitWriter] = {}
     try:
         writers = {s: _SplitWriter(tmp, s, dtype, ids["eos"]) for s in ("train", "validation")}
-        progress = Progress(TextColumn("tokenizing"), BarColumn(), MofNCompleteColumn(), TextColumn("documents"),
-                            TimeRemainingColumn(), console=Console(stderr=True),
-                            disable=not Console(stderr=True).is_terminal, transient=True)
-        with progress:
-            task = progress.add_task("tokenize", total=len(decisions))
-            batch: list[tuple[str, int]] = []
-            chars = 0
-
-            def flush() -> None:
-                encs = tok.encode_batch_fast([t for t, _ in batch], add_special_tokens=False)
-                for enc, (_, d) in zip(encs, batch):
-                    t = np.asarray(enc.ids, dtype=np.int64)
-                    if mode == "tail" and len(t) >= 2:
-                        m = min(len(t) - 1, int(len(t) * val_fraction))
-                        writers["train"].add(t[:len(t) - m])
-                        writers["validation"].add(t[len(t) - m:])
-                    else:
-                        writers["validation" if mode == "document" and d == VAL else "train"].add(t)
-
-            done = 0
-            for i, (_, text) in enumerate(iter_documents(paths, text_field, split_blank_lines)):
-                if i >= len(decisions):
-                    raise UserError(f"--input: {', '.join(map(str, paths))} changed while being read: re-run")
-                if decisions[i] != SKIP:
-                    batch.append((text, decisions[i]))
-                    chars += len(text)
-                if len(batch) >= BATCH_DOCS or chars >= BATCH_CHARS:
-                    flush()
-                    progress.update(task, completed=i + 1)
-                    batch, chars = [], 0
-                done = i + 1
-            if done != len(decisions):
-                raise UserError(f"--input: {', '.join(map(str, paths))} changed while being read: re-run")
-            if batch:
-                flush()
-            progress.update(task, completed=done)
+        _tokenize(tok, paths, decisions, mode, val_fraction, writers, text_field, split_blank_lines)
         splits = {s: w.close() for s, w in writers.items()}
         (tmp / "tokenizer.json").write_bytes(tok_bytes)
         meta = {
@@ -282,6 +291,8 @@ def preprocess(inputs: list[str] | list[Path], tokenizer: str | Path, output: st
         else:
             tmp.rename(out)
     finally:
+        for w in writers.values():
+            w.fh.close()  # no-op after close(); on failure, release the files before removing them
         shutil.rmtree(tmp, ignore_errors=True)
 
     summary = {**meta, "output": str(out), "seconds": round(time.perf_counter() - t0, 3)}

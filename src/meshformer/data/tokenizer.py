@@ -172,7 +172,7 @@ def train_tokenizer(files: list[str], vocab_size: int, output_dir: str | Path, o
 
     tok.train_from_iterator(docs(), trainer=trainer)
     if chars == 0:
-        raise UserError(f"--input: {', '.join(map(str, paths))} hold no text: give files with text in them")
+        raise UserError(f"--input: no text in {', '.join(map(str, paths))}: give files with text in them")
 
     out.mkdir(parents=True, exist_ok=True)
     # Write beside the target and rename, so an interrupted run never leaves a truncated tokenizer.json.

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from meshformer.config.schema import MeshformerConfig
-from meshformer.config.validate import validate_layout
+from meshformer.config.validate import V_SCHEDULES, validate_layout
 from meshformer.errors import UserError
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
@@ -59,11 +59,13 @@ class ParallelEnv:
     tp_rank: int = 0
     pp_size: int = 1
     pp_rank: int = 0
+    last_stage_pp_rank: int = 0  # pp rank holding the last pipeline stage (0 under V schedules)
     dp_shard_size: int = 1      # FSDP shard group size (1: no optimizer sharding)
     dp_replicate_size: int = 1  # HSDP / DDP replicas (dp_size // dp_shard_size)
     backend: str = ""
     mesh: object | None = None  # torch.distributed DeviceMesh, dims MESH_DIMS plus the flattened "dp"
     coords: dict = field(default_factory=dict)
+    dp_mesh: object | None = None  # the flattened (dp_replicate x dp_shard) mesh, kept here rather than re-sliced
 
     @property
     def distributed(self) -> bool:
@@ -72,7 +74,7 @@ class ParallelEnv:
     @property
     def is_metrics_rank(self) -> bool:
         """The rank that logs and writes metrics: last pipeline stage, first data-parallel and tensor rank."""
-        return self.pp_rank == self.pp_size - 1 and self.dp_rank == 0 and self.tp_rank == 0
+        return self.pp_rank == self.last_stage_pp_rank and self.dp_rank == 0 and self.tp_rank == 0
 
     @property
     def grad_average_size(self) -> int:
@@ -88,7 +90,7 @@ class ParallelEnv:
 
     def group(self, name: str):
         """The process group of one mesh dim ("pp", "dp", "tp", ...) for this rank."""
-        return self.mesh[name].get_group()
+        return self.dp_mesh.get_group() if name == "dp" else self.mesh[name].get_group()
 
     def all_reduce_sum_dp(self, t: torch.Tensor) -> torch.Tensor:
         """Sum over the data-parallel group (in place, also returned). A no-op without data parallelism."""
@@ -153,13 +155,14 @@ def init_parallel(cfg: MeshformerConfig, world_size: int | None = None) -> Paral
 
     shape = (pp, dp // shard, shard, tp)
     mesh = init_device_mesh(device.type, shape, mesh_dim_names=MESH_DIMS)
-    mesh["dp_replicate", "dp_shard"]._flatten("dp")
+    dp_mesh = mesh["dp_replicate", "dp_shard"]._flatten("dp")
     coord = dict(zip(MESH_DIMS, mesh.get_coordinate()))
     dp_rank = coord["dp_replicate"] * shard + coord["dp_shard"]
     env = ParallelEnv(world_size=world, rank=dist.get_rank(), local_rank=int(os.environ.get("LOCAL_RANK", "0")),
                       device=device, dp_size=dp, dp_rank=dp_rank, tp_size=tp, tp_rank=coord["tp"],
-                      pp_size=pp, pp_rank=coord["pp"], dp_shard_size=shard, dp_replicate_size=dp // shard,
-                      backend=dist.get_backend(), mesh=mesh,
+                      pp_size=pp, pp_rank=coord["pp"], last_stage_pp_rank=0 if pc.pipeline_schedule in V_SCHEDULES else pp - 1,
+                      dp_shard_size=shard, dp_replicate_size=dp // shard,
+                      backend=dist.get_backend(), mesh=mesh, dp_mesh=dp_mesh,
                       coords={"pp": coord["pp"], "dp": dp_rank, "tp": coord["tp"],
                               "dp_replicate": coord["dp_replicate"], "dp_shard": coord["dp_shard"]})
     return env

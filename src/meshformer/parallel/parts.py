@@ -3,21 +3,33 @@
 `ModelParts` is the contract between the trainer and the parallel layer. The trainer hands it a rank's
 micro-batches and a loss scale; it runs forward and backward (accumulating, or through a pipeline schedule)
 and returns the summed (unscaled) token loss. The trainer never looks inside.
+
+`parallelize` composes the techniques on a meta-device model, in this order: pipeline split (which pieces
+this rank holds) -> tensor parallel (DTensor plans) -> activation recompute (wraps layers) -> data parallel
+or FSDP (wraps layers, then the piece). Nothing is allocated until the trainer calls `materialize`.
 """
 
 from __future__ import annotations
 
+import contextlib
 from typing import Callable
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from meshformer.config.schema import MeshformerConfig
 from meshformer.models.llama import DTYPE
+from meshformer.parallel.data_parallel import apply_data_parallel, set_grad_sync
 from meshformer.parallel.env import ParallelEnv
 from meshformer.parallel.recompute import apply_recompute
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (logits, labels) -> summed token loss
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A loss value as a plain tensor (under loss parallel it is a Replicate DTensor)."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
 
 
 class ModelParts:
@@ -45,6 +57,13 @@ class ModelParts:
             return torch.autocast(self.env.device.type, enabled=False)
         return torch.autocast(self.env.device.type, dtype=self.autocast_dtype)
 
+    def loss_context(self):
+        """Under tensor parallelism the logits stay vocab-sharded and cross-entropy runs on the shards."""
+        if self.env.tp_size > 1:
+            from torch.distributed.tensor.parallel import loss_parallel
+            return loss_parallel()
+        return contextlib.nullcontext()
+
     def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor, n_micro: int, loss_scale: float) -> torch.Tensor:
         """inputs/labels: [n_micro * micro_batch, seq]. Backward of sum_loss * loss_scale per micro-batch.
 
@@ -52,30 +71,71 @@ class ModelParts:
         """
         model = self.parts[0]
         total = torch.zeros((), device=self.env.device, dtype=torch.float32)
-        for x, y in zip(inputs.chunk(n_micro), labels.chunk(n_micro)):
-            with self.autocast():
-                loss = self.loss_fn(model(x), y)
-            (loss * loss_scale).backward()
-            total += loss.detach().float()
+        chunks = list(zip(inputs.chunk(n_micro), labels.chunk(n_micro)))
+        with self.loss_context():
+            for i, (x, y) in enumerate(chunks):
+                set_grad_sync(self.parts, i == len(chunks) - 1)  # reduce gradients once, after the last
+                with self.autocast():
+                    loss = self.loss_fn(model(x), y)
+                (loss * loss_scale).backward()
+                total += _local(loss.detach()).float()
         return total
 
     @torch.no_grad()
     def eval_loss(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Summed token loss of one batch, no gradients (validation)."""
-        with self.autocast():
-            return self.loss_fn(self.parts[0](inputs), labels).float()
+        with self.loss_context(), self.autocast():
+            return _local(self.loss_fn(self.parts[0](inputs), labels)).float()
+
+    def grad_norm(self) -> torch.Tensor:
+        """Global L2 norm of all gradients over every rank's pieces (tp/dp via DTensor, pp via all-reduce)."""
+        sq = torch.zeros((), device=self.env.device, dtype=torch.float32)
+        for grads in _grad_groups(self.parameters()).values():
+            n = torch.nn.utils.get_total_norm(grads, 2.0, False, True)
+            sq += _local(n).float() ** 2
+        return self.env.all_reduce_sum_pp(sq).sqrt()
 
     def clip_grad_norm_(self, max_norm: float | None) -> torch.Tensor:
-        """Global L2 norm of all gradients; clips them in place when max_norm is given."""
-        params = [p for p in self.parameters() if p.grad is not None]
-        if max_norm is None:
-            return torch.nn.utils.get_total_norm([p.grad for p in params])
-        return torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
+        """Global L2 norm of all gradients; clips them in place when max_norm is given (torch's formula)."""
+        total = self.grad_norm()
+        if max_norm is not None:
+            coef = min(float(max_norm) / (float(total) + 1e-6), 1.0)
+            for grads in _grad_groups(self.parameters()).values():
+                torch._foreach_mul_(grads, coef)
+        return total
+
+
+def _grad_groups(params) -> dict:
+    """Gradients grouped by DTensor layout (mesh, placements); plain tensors under key None.
+
+    One group's norm is one reduction over its mesh; mixing layouts in one foreach call is not allowed.
+    Every rank of a mesh holds the same parameter structure, so groups (and collectives) line up.
+    """
+    groups: dict = {}
+    for p in params:
+        g = p.grad
+        if g is None:
+            continue
+        key = (g.device_mesh, tuple(g.placements)) if isinstance(g, DTensor) else None
+        groups.setdefault(key, []).append(g)
+    return groups
 
 
 def parallelize(model: nn.Module, cfg: MeshformerConfig, env: ParallelEnv, loss_fn: LossFn) -> ModelParts:
     """Apply the configured parallelism to a meta-device model; returns the parts this rank holds (still meta)."""
-    if env.world_size > 1:
-        raise NotImplementedError("multi-process runs arrive with the parallelism issue")
-    apply_recompute(model, cfg.recompute_config.recompute, stage_index=0)
+    pc, mc = cfg.parallel_config, cfg.model.model_config
+    if env.pp_size > 1:
+        from meshformer.parallel.pipeline import split_pipeline
+        pieces = split_pipeline(model, cfg, env.pp_rank)
+    else:
+        pieces = [(0, model)]
+    for _, part in pieces:
+        if env.tp_size > 1:
+            from meshformer.parallel.tp import apply_tp
+            apply_tp(part, env.submesh("tp"), pc.use_seq_parallel, mc.tie_word_embeddings)
+        apply_recompute(part, cfg.recompute_config.recompute, stage_index=env.pp_rank)
+        apply_data_parallel(part, cfg, env)
+    if env.pp_size > 1:
+        from meshformer.parallel.pipeline_parts import PipelineParts
+        return PipelineParts([p for _, p in pieces], [s for s, _ in pieces], cfg, env, loss_fn)
     return ModelParts([model], cfg, env, loss_fn)

@@ -1,0 +1,277 @@
+#!/usr/bin/env python
+"""Training throughput of meshformer against Hugging Face transformers' LlamaForCausalLM, in one process.
+
+Both sides train the same Llama config from the same initial weights (meshformer's, copied into the HF model
+and checked by comparing logits), on the same random token batches, with the same AdamW hyper-parameters,
+gradient clipping and dtype policy (fp32, or bf16 autocast over fp32 master weights):
+
+  meshformer: the trainer's real path: `load_config(None, overrides)` -> `build_model` -> `parallelize`
+              -> `materialize` -> `build_optimizer`; each step `ModelParts.forward_backward` (with
+              `make_loss_fn`), `ModelParts.clip_grad_norm_`, `optimizer.step()`, `zero_grad(set_to_none=True)`.
+  transformers: the idiomatic loop: `model(input_ids, labels=..., shift_labels=...).loss`, `backward()`,
+              `torch.nn.utils.clip_grad_norm_`, `optimizer.step()`, `zero_grad(set_to_none=True)`.
+
+HF shifts `labels` inside the model; passing the already-shifted labels as `shift_labels` makes both sides
+score the same 256 next-token predictions per sample (tokens[:, 1:] given tokens[:, :-1]), so their losses
+are the same number and can be compared step by step (a fairness check: same work, same numerics).
+
+The two sides alternate in rounds (meshformer k steps, HF k steps, ...) so that load from other processes on
+a shared machine hits both alike. Warm-up steps are excluded; tokens/s is reported as the median over the
+timed steps and as total tokens / total time.
+
+    python bench/bench_vs_hf.py                      # fp32, ~34M parameters, batch 8 x 256
+    python bench/bench_vs_hf.py --dtype bf16         # bf16 autocast, fp32 master weights
+    python bench/bench_vs_hf.py --profile 2          # + torch.profiler op table of 2 steps per side
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import sys
+import time
+
+import torch
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--hidden", type=int, default=512)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--ffn", type=int, default=1376)
+    p.add_argument("--vocab", type=int, default=8192)
+    p.add_argument("--seq", type=int, default=256)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--steps", type=int, default=10, help="timed steps per side (after warm-up)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps per side first")
+    p.add_argument("--round", type=int, default=2, help="steps one side runs before the other takes over")
+    p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
+    p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
+    p.add_argument("--lr", type=float, default=3e-4)
+    p.add_argument("--weight-decay", type=float, default=0.1)
+    p.add_argument("--max-grad-norm", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--hf-foreach", choices=("default", "true", "false"), default="default",
+                   help="HF side's torch.optim.AdamW foreach= (default: torch's own choice, for-loop on CPU)")
+    p.add_argument("--mf-foreach", choices=("config", "true", "false"), default="config",
+                   help="meshformer's optimizer.foreach (config: the schema default)")
+    p.add_argument("--show-steps", type=int, default=5, help="print per-step losses of this many first steps")
+    p.add_argument("--peak-flops", type=float, default=0.0, help="peak FLOP/s for MFU (0: time a matmul)")
+    p.add_argument("--profile", type=int, default=0, help="after timing, profile this many steps per side")
+    p.add_argument("--only", choices=("both", "meshformer", "hf"), default="both")
+    return p.parse_args(argv)
+
+
+# ---- meshformer ----------------------------------------------------------------------------------------------
+def build_meshformer(a):
+    from meshformer.config import load_config
+    from meshformer.models import DTYPE, build_model, materialize
+    from meshformer.parallel import init_parallel, parallelize
+    from meshformer.train.optim import build_optimizer
+    from meshformer.train.trainer import make_loss_fn
+
+    o = {
+        "model.model_config.hidden_size": a.hidden, "model.model_config.num_layers": a.layers,
+        "model.model_config.num_heads": a.heads, "model.model_config.n_kv_heads": a.kv_heads,
+        "model.model_config.intermediate_size": a.ffn, "model.model_config.vocab_size": a.vocab,
+        "model.model_config.seq_length": a.seq, "model.model_config.tie_word_embeddings": False,
+        "model.model_config.compute_dtype": "bfloat16" if a.dtype == "bf16" else "float32",
+        "model.model_config.param_init_type": "float32",
+        "train_dataset.batch_size": a.batch, "seed": a.seed,
+        "optimizer.learning_rate": a.lr, "optimizer.weight_decay": a.weight_decay,
+        "lr_schedule.type": "constant", "runner_wrapper.use_clip_grad": True,
+        "runner_wrapper.max_grad_norm": a.max_grad_norm,
+    }
+    if a.mf_foreach != "config":
+        o["optimizer.foreach"] = a.mf_foreach == "true"
+    overrides = [s for k, v in o.items() for s in (f"--{k}", str(v))]
+    cfg = load_config(None, overrides)
+    mc = cfg.model.model_config
+    env = init_parallel(cfg, world_size=1)
+    model = build_model(mc)
+    n_params = sum(p.numel() for p in model.parameters())
+    n_embedding = model.embed_tokens.weight.numel()
+    parts = parallelize(model, cfg, env, make_loss_fn(cfg))
+    for part in parts.parts:
+        materialize(part, env.device, cfg.seed, DTYPE[mc.param_init_type])
+    optimizer = build_optimizer(parts.named_parameters(), cfg)
+    parts.train()
+    return cfg, env, parts, optimizer, n_params, n_embedding
+
+
+def meshformer_step(cfg, env, parts, optimizer, tokens):
+    """One optimizer step exactly as Trainer.train runs it (n_micro = 1, one process)."""
+    inputs, labels = tokens[:, :-1], tokens[:, 1:]
+    n_tok = (labels != cfg.model.model_config.ignore_token_id).sum().to(torch.float64)
+    loss_sum = parts.forward_backward(inputs, labels, 1, env.grad_average_size / n_tok.item())
+    loss = (loss_sum.to(torch.float64) / n_tok).item()
+    clip = cfg.runner_wrapper.max_grad_norm if cfg.runner_wrapper.use_clip_grad else None
+    float(parts.clip_grad_norm_(clip))
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss
+
+
+# ---- transformers --------------------------------------------------------------------------------------------
+def build_hf(a, cfg, mf_model):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    mc = cfg.model.model_config
+    hc = LlamaConfig(vocab_size=a.vocab, hidden_size=a.hidden, intermediate_size=a.ffn, num_hidden_layers=a.layers,
+                     num_attention_heads=a.heads, num_key_value_heads=a.kv_heads, rms_norm_eps=mc.rms_norm_eps,
+                     rope_theta=mc.theta, max_position_embeddings=a.seq, tie_word_embeddings=False,
+                     attention_bias=False, mlp_bias=False, attention_dropout=0.0, use_cache=False)
+    hc._attn_implementation = "sdpa"
+    hf = LlamaForCausalLM(hc).to(torch.float32)
+    # Our parameter names are HF's without the "model." prefix (lm_head keeps its name).
+    sd = {(k if k.startswith("lm_head.") else "model." + k): v for k, v in mf_model.state_dict().items()}
+    missing, unexpected = hf.load_state_dict(sd, strict=False)
+    missing = [k for k in missing if "rotary_emb" not in k]
+    if missing or unexpected:
+        sys.exit(f"weight copy into HF failed: missing {missing}, unexpected {unexpected}")
+    hf.train()
+    oc = cfg.optimizer
+    decay = [p for p in hf.parameters() if p.ndim >= 2]   # same rule as meshformer: no decay on norms/biases
+    no_decay = [p for p in hf.parameters() if p.ndim < 2]
+    kw = {} if a.hf_foreach == "default" else {"foreach": a.hf_foreach == "true"}
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": oc.weight_decay},
+                             {"params": no_decay, "weight_decay": 0.0}],
+                            lr=a.lr, betas=(oc.beta1, oc.beta2), eps=oc.eps, **kw)
+    return hf, opt
+
+
+def hf_step(hf, opt, tokens, autocast_dtype, max_grad_norm):
+    inputs, labels = tokens[:, :-1], tokens[:, 1:].contiguous()  # HF's loss .view()s the labels
+    with torch.autocast("cpu", dtype=autocast_dtype or torch.bfloat16, enabled=autocast_dtype is not None):
+        out = hf(input_ids=inputs, labels=labels, shift_labels=labels)
+    out.loss.backward()
+    torch.nn.utils.clip_grad_norm_(hf.parameters(), max_grad_norm)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return out.loss.item()
+
+
+# ---- driver --------------------------------------------------------------------------------------------------
+def batches(a, n):
+    g = torch.Generator().manual_seed(1234 + a.seed)
+    return [torch.randint(0, a.vocab, (a.batch, a.seq + 1), generator=g) for _ in range(n)]
+
+
+def check_logits(parts, hf, a, autocast_dtype) -> float:
+    x = torch.randint(0, a.vocab, (2, a.seq), generator=torch.Generator().manual_seed(99))
+    with torch.no_grad(), parts.autocast():
+        ours = parts.parts[0](x).float()
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast_dtype is not None):
+        theirs = hf(input_ids=x).logits.float()
+    return (ours - theirs).abs().max().item()
+
+
+def measure_peak(dtype) -> tuple[float, str]:
+    from meshformer.train.metrics import peak_flops
+    best = 0.0
+    for _ in range(3):  # best of three: the machine is shared, a slow sample is someone else's load
+        f, src = peak_flops(torch.device("cpu"), dtype, 0.0)
+        best = max(best, f)
+    return best, src + " (best of 3, 1024^3 matmul)"
+
+
+def profile_steps(name, fn, n):
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(n):
+            fn()
+    print(f"\n==== torch.profiler: {name}, {n} steps (self CPU time) ====")
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
+
+
+def main(argv=None) -> int:
+    a = parse_args(argv)
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    torch.manual_seed(a.seed)
+    from meshformer.train.metrics import flops_per_token
+    import transformers
+
+    cfg, env, parts, mf_opt, n_params, n_emb = build_meshformer(a)
+    mc = cfg.model.model_config
+    autocast_dtype = torch.bfloat16 if a.dtype == "bf16" else None
+    hf, hf_opt = build_hf(a, cfg, parts.parts[0])
+    n_hf = sum(p.numel() for p in hf.parameters())
+
+    print(f"torch {torch.__version__}, transformers {transformers.__version__}, {torch.get_num_threads()} threads, "
+          f"dtype {a.dtype}" + (" (autocast bf16, fp32 master weights)" if autocast_dtype else ""))
+    print(f"model: hidden {a.hidden}, {a.layers} layers, {a.heads} heads / {a.kv_heads} kv, ffn {a.ffn}, vocab "
+          f"{a.vocab}, seq {a.seq}, batch {a.batch}: {n_params / 1e6:.2f}M parameters (HF {n_hf / 1e6:.2f}M)")
+    from torch.optim.optimizer import _default_to_fused_or_foreach
+    hf_impl = hf_opt.defaults.get("foreach")
+    if hf_impl is None:
+        hf_impl = f"None -> {_default_to_fused_or_foreach(list(hf.parameters()), False, False)[1]}"
+    print(f"AdamW lr {a.lr}, betas ({cfg.optimizer.beta1}, {cfg.optimizer.beta2}), eps {cfg.optimizer.eps}, "
+          f"weight decay {cfg.optimizer.weight_decay} (not on 1-D), clip {a.max_grad_norm}; meshformer foreach="
+          f"{cfg.optimizer.foreach}, HF foreach={hf_impl}")
+    diff32 = check_logits(parts, hf, a, None)
+    line = f"initial logits max |meshformer - HF|: fp32 {diff32:.2e}"
+    if autocast_dtype is not None:
+        line += f", bf16 autocast {check_logits(parts, hf, a, autocast_dtype):.2e}"
+    print(line)
+    if diff32 > 1e-4:
+        print("WARNING: fp32 logits differ by more than 1e-4: the comparison is not like for like")
+
+    total = a.warmup + a.steps
+    data = batches(a, total)
+    tok_per_step = a.batch * a.seq
+    sides = {"meshformer": lambda t: meshformer_step(cfg, env, parts, mf_opt, t),
+             "HF": lambda t: hf_step(hf, hf_opt, t, autocast_dtype, a.max_grad_norm)}
+    if a.only == "meshformer":
+        sides.pop("HF")
+    elif a.only == "hf":
+        sides.pop("meshformer")
+    losses = {k: [] for k in sides}
+    times = {k: [] for k in sides}
+    step = 0
+    while step < total:
+        chunk = range(step, min(total, step + a.round))
+        for name, fn in sides.items():
+            for i in chunk:
+                t0 = time.perf_counter()
+                losses[name].append(fn(data[i]))
+                dt = time.perf_counter() - t0
+                if i >= a.warmup:
+                    times[name].append(dt)
+        step = chunk.stop
+
+    if len(sides) == 2:
+        print(f"\nper-step loss (same batches; steps 1..{min(a.show_steps, total)}):")
+        print(f"  {'step':>4}  {'meshformer':>12}  {'HF':>12}  {'|diff|':>9}")
+        for i in range(min(a.show_steps, total)):
+            m, h = losses["meshformer"][i], losses["HF"][i]
+            print(f"  {i + 1:>4}  {m:>12.8f}  {h:>12.8f}  {abs(m - h):>9.2e}")
+        worst = max(abs(m - h) for m, h in zip(losses["meshformer"], losses["HF"]))
+        print(f"  max |diff| over all {total} steps: {worst:.2e}")
+
+    peak, src = (a.peak_flops, "--peak-flops") if a.peak_flops > 0 else measure_peak(autocast_dtype or torch.float32)
+    fpt = flops_per_token(mc, n_params, n_emb)
+    print(f"\nthroughput ({a.steps} timed steps per side after {a.warmup} warm-up, alternating in rounds of "
+          f"{a.round}; {fpt / 1e6:.1f} MFLOP/token; peak {peak / 1e12:.3f} TFLOP/s, {src}):")
+    med = {}
+    for name in sides:
+        ts = times[name]
+        med[name] = tok_per_step / statistics.median(ts)
+        mean = tok_per_step * len(ts) / sum(ts)
+        print(f"  {name:>10}: {med[name]:8.0f} tok/s median ({mean:.0f} mean; step {statistics.median(ts):.3f} s "
+              f"median, min {min(ts):.3f}, max {max(ts):.3f}), MFU {fpt * med[name] / peak:.1%}")
+    if len(sides) == 2:
+        print(f"  ratio meshformer / HF: {med['meshformer'] / med['HF']:.3f}x (medians)")
+
+    if a.profile:
+        it = iter(range(10**9))
+        for name, fn in sides.items():
+            profile_steps(name, lambda fn=fn: fn(data[next(it) % total]), a.profile)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,51 @@
+"""`meshformer launch --nproc N CONFIG [--section.field VALUE ...]`: torchrun on one node, layout checked first.
+
+A thin wrapper: it checks that data_parallel x model_parallel x pipeline_stage equals N (one line, exit 2,
+no processes started), then runs `python -m torch.distributed.run --standalone --nproc-per-node N
+-m meshformer train CONFIG ...`. For several nodes call torchrun directly on each node (docs/parallelism.md).
+"""
+
+from __future__ import annotations
+
+import shlex
+import subprocess
+import sys
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("launch", help="train on N processes of this machine (torchrun wrapper)",
+                       description="Start N training processes on this machine with torchrun. The layout "
+                                   "(parallel_config) is checked against N before anything starts.")
+    p.add_argument("--nproc", type=int, required=True, help="processes (devices) on this node")
+    p.add_argument("--master-port", type=int, default=None,
+                   help="rendezvous port (default: torchrun --standalone picks a free one)")
+    p.add_argument("--print-command", action="store_true", help="print the torchrun command instead of running it")
+    p.add_argument("config", help="YAML config file")
+    p.set_defaults(func=run, accepts_overrides=True)
+
+
+def torchrun_command(nproc: int, config: str, overrides: list[str], master_port: int | None = None) -> list[str]:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc)]
+    if master_port is None:
+        cmd.append("--standalone")
+    else:
+        cmd += ["--nnodes", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{master_port}"]
+    return cmd + ["-m", "meshformer", "train", config, *overrides]
+
+
+def run(args) -> int:
+    from meshformer.config.load import load_config
+    from meshformer.config.validate import validate_layout
+    from meshformer.errors import UserError
+    from meshformer.parallel.env import check_parallel_support
+
+    if args.nproc < 1:
+        raise UserError(f"--nproc {args.nproc}: give the number of processes to start (at least 1)")
+    cfg = load_config(args.config, args.overrides)
+    validate_layout(cfg, args.nproc)   # a wrong product fails here, before any process starts
+    check_parallel_support(cfg)
+    cmd = torchrun_command(args.nproc, args.config, args.overrides, args.master_port)
+    if args.print_command:
+        print(shlex.join(cmd))
+        return 0
+    return subprocess.call(cmd)

@@ -1,0 +1,141 @@
+"""Parity harness that needs no trainer: build, parallelize, materialize, 5 AdamW steps on fixed tokens.
+
+It follows the trainer contract (see meshformer.parallel.parts): every data-parallel rank takes its
+contiguous slice of each global batch, the loss is normalised by the global count of non-ignored labels,
+gradients are clipped at 1.0. `run_case` works in one process (the reference) and under torchrun.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from meshformer.config.load import load_config
+from meshformer.models.init import build_model, materialize
+from meshformer.models.llama import DTYPE
+from meshformer.parallel import init_parallel, parallelize
+
+STEPS = 5
+GLOBAL_BATCH = 16
+SEQ = 16
+VOCAB = 128
+
+# A tiny Llama with every optional piece switched on: GQA (8 q heads, 4 kv heads), q/k/v bias (Qwen2),
+# q/k norm (Qwen3). 4 layers so pp2 with two virtual stages per rank has one layer per stage.
+MODEL = {
+    "model.model_config.hidden_size": 64, "model.model_config.num_layers": 4, "model.model_config.num_heads": 8,
+    "model.model_config.n_kv_heads": 4, "model.model_config.intermediate_size": 128,
+    "model.model_config.vocab_size": VOCAB, "model.model_config.seq_length": SEQ,
+    "model.model_config.qkv_has_bias": True, "model.model_config.use_qk_norm": True,
+    "seed": 7,
+}
+
+# name -> (overrides, micro-batches per step on each rank). World size = dp x tp x pp of the overrides.
+P = "parallel_config."
+CASES = {
+    # 2 processes
+    "dp2": ({P + "data_parallel": 2}, 1),
+    "dp2_accum": ({P + "data_parallel": 2}, 4),
+    "dp2_rc_accum": ({P + "data_parallel": 2, "recompute_config.recompute": True}, 2),
+    "tp2": ({P + "model_parallel": 2}, 1),
+    "tp2_sp_accum": ({P + "model_parallel": 2, P + "use_seq_parallel": True}, 2),
+    "tp2_sp_rc": ({P + "model_parallel": 2, P + "use_seq_parallel": True, "recompute_config.recompute": True}, 1),
+    "fsdp2": ({P + "data_parallel": 2, P + "optimizer_shard": True}, 1),
+    "fsdp2_zero3_rc_accum": ({P + "data_parallel": 2, P + "optimizer_shard": True, "recompute_config.recompute": True,
+                              "recompute_config.parallel_optimizer_comm_recompute": True}, 2),
+    **{f"pp2_{s}": ({P + "pipeline_stage": 2, P + "micro_batch_num": 4, P + "pipeline_schedule": s,
+                     P + "pp_interleave_num": 2 if s in ("interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble") else 1}, 4)
+       for s in ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble", "zbv_zero_bubble",
+                 "dualpipev")},
+    "pp2_1f1b_rc_accum": ({P + "pipeline_stage": 2, P + "micro_batch_num": 4, "recompute_config.recompute": [1, 2]}, 8),
+    # 4 processes
+    "dp4": ({P + "data_parallel": 4}, 1),
+    "tp4_sp": ({P + "model_parallel": 4, P + "use_seq_parallel": True}, 1),
+    "fsdp4_accum": ({P + "data_parallel": 4, "optimizer.optimizer_parallel": 4}, 2),
+    "hsdp2x2_rc": ({P + "data_parallel": 4, "optimizer.optimizer_parallel": 2, "recompute_config.recompute": True}, 1),
+    "dp2xtp2": ({P + "data_parallel": 2, P + "model_parallel": 2}, 2),
+    "fsdp2xtp2_sp_rc": ({P + "data_parallel": 2, P + "model_parallel": 2, P + "use_seq_parallel": True,
+                         "parallel.enable_parallel_optimizer": True, "recompute_config.recompute": True}, 1),
+    "tp2xpp2_sp": ({P + "model_parallel": 2, P + "pipeline_stage": 2, P + "micro_batch_num": 4,
+                    P + "use_seq_parallel": True}, 4),
+    "dp2xpp2_rc": ({P + "data_parallel": 2, P + "pipeline_stage": 2, P + "micro_batch_num": 2,
+                    "recompute_config.recompute": True}, 4),
+    "fsdp2xpp2": ({P + "data_parallel": 2, P + "pipeline_stage": 2, P + "micro_batch_num": 4,
+                   P + "optimizer_shard": True, P + "pipeline_schedule": "interleaved_1f1b", P + "pp_interleave_num": 2}, 4),
+    # 8 processes
+    "dp2xtp2xpp2": ({P + "data_parallel": 2, P + "model_parallel": 2, P + "pipeline_stage": 2,
+                     P + "micro_batch_num": 2}, 2),
+    "fsdp2xtp2xpp2_sp_rc": ({P + "data_parallel": 2, P + "model_parallel": 2, P + "pipeline_stage": 2,
+                             P + "micro_batch_num": 2, P + "optimizer_shard": True, P + "use_seq_parallel": True,
+                             "recompute_config.recompute": True}, 4),
+}
+# Variants of the model (each has its own single-process reference).
+VARIANTS = {
+    "fp32": {},
+    "tied": {"model.model_config.tie_word_embeddings": True, "model.model_config.use_qk_norm": False},
+    "bf16": {"model.model_config.compute_dtype": "bfloat16"},
+}
+VARIANT_CASES = {  # extra (case, variant) pairs beyond every case in fp32
+    "tied": ["tp2_sp_accum", "dp2xtp2"],
+    "bf16": ["fsdp2", "tp2", "pp2_1f1b", "fsdp2xtp2_sp_rc"],
+}
+
+
+def world_of(case: str) -> int:
+    o = CASES[case][0]
+    return o.get(P + "data_parallel", 1) * o.get(P + "model_parallel", 1) * o.get(P + "pipeline_stage", 1)
+
+
+def make_cfg(overrides: dict):
+    args = []
+    for k, v in {**MODEL, **overrides}.items():
+        args += [f"--{k}", str(v).lower() if isinstance(v, bool) else str(v)]
+    return load_config(None, args)
+
+
+def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Sum of token cross-entropies in fp32 (the trainer's contract)."""
+    return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(0, 1), ignore_index=-100, reduction="sum")
+
+
+def batches() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1234)
+    tokens = torch.randint(VOCAB, (STEPS, GLOBAL_BATCH, SEQ + 1), generator=g)
+    labels = tokens[..., 1:].clone()
+    labels[torch.rand(labels.shape, generator=g) < 0.1] = -100  # ignored positions must not count
+    return tokens[..., :-1], labels
+
+
+def run(cfg, env, n_micro: int) -> list[tuple[float, float]]:
+    mc = cfg.model.model_config
+    parts = parallelize(build_model(mc), cfg, env, loss_fn)
+    for part in parts.parts:
+        materialize(part, env.device, cfg.seed, DTYPE[mc.param_init_type])
+    decay, no_decay = [], []
+    for name, p in parts.named_parameters():
+        (no_decay if "norm" in name or name.endswith("bias") else decay).append(p)
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+                            lr=1e-3, betas=(0.9, 0.95), eps=1e-8, foreach=True)
+    inputs, labels = batches()
+    per = GLOBAL_BATCH // env.dp_size
+    rows = slice(env.dp_rank * per, (env.dp_rank + 1) * per)
+    out = []
+    for step in range(STEPS):
+        x, y = inputs[step, rows].to(env.device), labels[step, rows].to(env.device)
+        tokens = env.all_reduce_sum_dp((y != -100).sum().float())
+        loss_sum = parts.forward_backward(x, y, n_micro, loss_scale=env.grad_average_size / float(tokens))
+        loss = env.all_reduce_sum_dp(loss_sum.clone()) / tokens
+        gn = parts.clip_grad_norm_(1.0)
+        opt.step()
+        opt.zero_grad()
+        out.append((float(loss), float(gn)))
+    return out
+
+
+def run_case(case: str, variant: str = "fp32", world_size: int | None = None):
+    """(results on this rank, is_metrics_rank). world_size=1 with case=None: the single-process reference."""
+    overrides = {**VARIANTS[variant], **(CASES[case][0] if case else {})}
+    cfg = make_cfg(overrides)
+    env = init_parallel(cfg, world_size)
+    n_micro = CASES[case][1] if case else 1
+    return run(cfg, env, n_micro), env

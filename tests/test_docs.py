@@ -1,0 +1,22 @@
+"""Documentation that is generated must match the code that generates it."""
+
+from pathlib import Path
+
+from meshformer.cli.config_cmd import iter_fields, markdown
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_config_md_is_generated_from_the_schema():
+    assert (ROOT / "docs" / "config.md").read_text() == markdown(), \
+        "docs/config.md is stale: run `.venv/bin/meshformer config explain --markdown > docs/config.md`"
+
+
+def test_every_field_has_a_one_line_doc():
+    for name, _tp, _default, doc, _choices in iter_fields():
+        assert doc and "\n" not in doc and len(doc) < 200, name
+
+
+def test_readme_opens_with_the_two_setup_commands():
+    lines = [ln for ln in (ROOT / "README.md").read_text().splitlines() if ln.strip()]
+    assert lines[1] == "```bash" and lines[2].startswith("make demo") and lines[3].startswith("make test")
