@@ -129,6 +129,10 @@ def run(cfg, env, n_micro: int) -> list[tuple[float, float]]:
         opt.step()
         opt.zero_grad()
         out.append((float(loss), float(gn)))
+    # Validation loss after training (forward only): the first global batch again.
+    x, y = inputs[0, rows].to(env.device), labels[0, rows].to(env.device)
+    ev = env.all_reduce_sum_dp(parts.eval_loss(x, y).clone()) / env.all_reduce_sum_dp((y != -100).sum().float())
+    out.append((float(ev), 0.0))
     return out
 
 

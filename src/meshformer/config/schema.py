@@ -111,6 +111,9 @@ class ParallelConfig:
     expert_parallel: int = F(1, "Expert-parallel degree (reserved: only 1 is supported now).", ge=1, le=1)
     use_seq_parallel: bool = F(False, "Sequence parallelism: shard norm/dropout activations along the sequence on the tensor-parallel group.")
     optimizer_shard: bool = F(False, "Shard parameters, gradients and optimizer states over data parallel (FSDP).")
+    zero_stage: int | None = F(None, "Optimizer sharding depth: 2 keeps parameters gathered from forward to backward, "
+                               "3 re-shards after forward (default: recompute_config.parallel_optimizer_comm_recompute).",
+                               choices=(None, 2, 3))
     pipeline_schedule: str = F("1f1b", "Pipeline schedule.", choices=(
         "gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble", "zbv_zero_bubble", "dualpipev"))
     pp_interleave_num: int = F(1, "Virtual stages per pipeline rank (interleaved and zero-bubble schedules).", gt=0)

@@ -35,7 +35,7 @@ def mixed_precision(cfg: MeshformerConfig) -> MixedPrecisionPolicy:
 
 
 def reshard_after_forward(cfg: MeshformerConfig) -> bool:
-    zero = getattr(cfg.parallel_config, "zero_stage", None)  # optional schema field (see docs/parallelism.md)
+    zero = cfg.parallel_config.zero_stage
     if zero is not None:
         return int(zero) >= 3
     return bool(cfg.recompute_config.parallel_optimizer_comm_recompute)

@@ -47,15 +47,13 @@ class PipelineParts(ModelParts):
                                            loss_fn=self._pp_loss, scale_grads=False)
         return self._schedules[n_micro]
 
-    def _run(self, inputs, labels, n_micro, train: bool) -> torch.Tensor:
+    def forward_backward(self, inputs, labels, n_micro: int, loss_scale: float) -> torch.Tensor:
         sched = self.schedule(n_micro)
-        self._recorded = []
+        self._scale, self._recorded = loss_scale, []
+        self._last = (n_micro, inputs.shape[0] // n_micro)
         args = (inputs,) if self.has_first else ()
         with self.loss_context(), self.autocast():
-            if train:
-                sched.step(*args, target=labels, return_outputs=False)
-            else:
-                sched.eval(*args, target=labels)
+            sched.step(*args, target=labels, return_outputs=False)
         total = torch.zeros((), device=self.env.device, dtype=torch.float32)
         if self.has_last:
             # The schedule may also call the loss while inferring shapes on its first step: the step's own
@@ -64,13 +62,45 @@ class PipelineParts(ModelParts):
                 total += v
         return total
 
-    def forward_backward(self, inputs, labels, n_micro: int, loss_scale: float) -> torch.Tensor:
-        self._scale = loss_scale
-        return self._run(inputs, labels, n_micro, train=True)
-
     @torch.no_grad()
     def eval_loss(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Summed token loss on the last stage (0 elsewhere); one micro-batch per pipeline stage."""
-        self._scale = 1.0
-        n = max(1, min(self.cfg.parallel_config.micro_batch_num, inputs.shape[0]))
-        return self._run(inputs, labels, n, train=False)
+        """Summed token loss on the last stage (0 elsewhere), forward only.
+
+        The training schedules cannot run forward-only in every case (the zero-bubble ones always issue their
+        split backward actions), so evaluation walks the stages in global order with the stages' own P2P ops:
+        each rank runs the stages it holds as their inputs arrive (GPipe order, no backward). The batch is cut
+        into chunks of the training micro-batch size, the shape the stages' receive buffers were built for.
+        """
+        from torch.distributed.pipelining.schedules import _sorted_batch_p2p, _wait_batch_p2p
+
+        if getattr(self, "_last", None) is None:
+            raise RuntimeError("pipeline eval_loss needs one training step first (it reuses the schedule's stages)")
+        n_micro, rows = self._last
+        sched = self._schedules[n_micro]
+        stages = {st.stage_index: st for st in getattr(sched, "_stages", None) or [sched._stage]}
+        if inputs.shape[0] % rows:
+            raise ValueError(f"pipeline eval batch of {inputs.shape[0]} rows is not a multiple of the "
+                             f"training micro-batch ({rows} rows)")
+        total = torch.zeros((), device=self.env.device, dtype=torch.float32)
+        with self.loss_context(), self.autocast():
+            for x, y in zip(inputs.split(rows), labels.split(rows)):
+                sends = []
+                for s in range(self.n_stages):
+                    st = stages.get(s)
+                    if st is None:
+                        continue
+                    if not st.is_first and s - 1 not in stages:  # a neighbour on this rank handed it over
+                        for w in _sorted_batch_p2p(st.get_fwd_recv_ops(0), desc="fwd_recv").values():
+                            _wait_batch_p2p(w)
+                    out = st.forward_one_chunk(0, (x,) if st.is_first else (), {})
+                    if s + 1 in stages:  # V schedules: the next stage lives on this rank too
+                        stages[s + 1].set_local_fwd_input(out, 0)
+                    elif not st.is_last:
+                        sends.extend(_sorted_batch_p2p(st.get_fwd_send_ops(0), desc="fwd_send").values())
+                    if st.is_last:
+                        total += _local(self.loss_fn(out, y)).float()
+                for w in sends:
+                    _wait_batch_p2p(w)
+                for st in stages.values():
+                    st.clear_runtime_states()
+        return total

@@ -1,7 +1,12 @@
 """Activation recomputation: wrap decoder layers so their activations are recomputed in backward.
 
 `recompute_config.recompute` is `true` (every layer), `false`, or MindSpore's per-stage list of layer counts
-(`[7, 7]`: the first 7 layers of each stage's part).
+(`[7, 7]`: the first 7 layers of each stage's part; with virtual pipeline stages, of each part on that rank).
+
+`parallelize` applies it after tensor parallelism and before FSDP: the wrapper then recomputes the layer's
+TP collectives too (MindSpore's mp_comm_recompute), and FSDP's per-layer unit contains the wrapper, so
+backward re-gathers (ZeRO-3) before recomputing. Parameter names gain `_checkpoint_wrapped_module.`, which
+models.init.canonical_name and torch.distributed.checkpoint strip.
 """
 
 from __future__ import annotations

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from functools import partial
 
-import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
 from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, PrepareModuleInput,
@@ -95,7 +94,3 @@ def apply_tp(model: nn.Module, tp_mesh, seq_parallel: bool, tied: bool) -> None:
     for name, p in model.named_parameters():
         if not isinstance(p, DTensor):
             raise RuntimeError(f"tensor parallel plan does not cover parameter {name}")
-
-
-def is_dtensor(t: torch.Tensor) -> bool:
-    return isinstance(t, DTensor)

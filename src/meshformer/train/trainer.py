@@ -100,6 +100,9 @@ class Trainer:
             split = "validation" if not ev.data_loader.dataset_dir or ev.split == "train" else ev.split
             self.eval_ds = PackedDataset(eval_dir, split, self.mc.seq_length, "eval_dataset.data_loader.dataset_dir")
             self.eval_ds.check_tokenizer(self.tokenizer_hash, self.mc.vocab_size, "eval_dataset.data_loader.dataset_dir")
+            if len(self.eval_ds) < self.env.dp_size:
+                raise UserError(f"eval_dataset: {len(self.eval_ds)} validation samples cannot feed {self.env.dp_size} "
+                                f"data-parallel ranks: add validation text or lower model.model_config.seq_length")
         order = SampleOrder(len(self.train_ds), self.cfg.seed, cfg.train_dataset.data_loader.shuffle)
         if order.n < self.plan.global_batch:
             raise UserError(f"train_dataset: {order.n} samples of seq_length {self.mc.seq_length} are fewer than one "
@@ -238,18 +241,16 @@ class Trainer:
         """Mean token loss over eval_iters validation batches (fixed order, so comparable across steps)."""
         env, plan, ds = self.env, self.plan, self.eval_ds
         self.parts.train(False)
-        order = GlobalBatches(SampleOrder(len(ds), 0, False), min(plan.global_batch // plan.n_micro or 1, len(ds)),
-                              0, 1)
+        # One global batch per eval iteration, split over dp like training: the same samples for every layout.
+        eval_batch = min(plan.global_batch, len(ds) // env.dp_size * env.dp_size)
+        order = GlobalBatches(SampleOrder(len(ds), 0, False), eval_batch, env.dp_rank, env.dp_size)
         total = torch.zeros((), dtype=torch.float64, device=env.device)
         count = torch.zeros((), dtype=torch.float64, device=env.device)
         for b in range(min(self.cfg.eval_config.eval_iters, order.per_epoch)):
-            ids = order.sample_ids(b)
-            per_rank = max(1, len(ids) // env.dp_size)
-            mine = ids[env.dp_rank * per_rank:(env.dp_rank + 1) * per_rank]
-            tokens = torch.stack([ds[int(i)] for i in mine]).to(env.device)
-            inputs, labels = tokens[:, :-1], tokens[:, 1:]
-            total += self.parts.eval_loss(inputs, labels).to(torch.float64)
-            count += (labels != self.mc.ignore_token_id).sum()
+            tokens = torch.stack([ds[int(i)] for i in order.sample_ids(b)]).to(env.device)
+            for chunk in tokens.split(plan.micro_batch):  # pipeline eval runs training-sized micro-batches
+                total += self.parts.eval_loss(chunk[:, :-1], chunk[:, 1:]).to(torch.float64)
+            count += (tokens[:, 1:] != self.mc.ignore_token_id).sum()
         self.parts.train(True)
         return (env.all_reduce_sum_dp(total) / env.all_reduce_sum_dp(count)).item()
 
