@@ -34,9 +34,10 @@ BF16_RTOL = {"loss": 1e-3, "grad_norm": 1e-2}
 WORLD2 = ["dp2", "dp2_accum", "dp2_rc_accum", "tp2", "tp2_sp_accum", "tp2_sp_rc", "fsdp2", "fsdp2_zero3_rc_accum",
           *[c for c in harness.CASES if c.startswith("pp2_")],
           "tp2_sp_accum:tied", "fsdp2:bf16", "tp2:bf16", "pp2_1f1b:bf16"]
-WORLD4 = ["dp4", "tp4_sp", "fsdp4_accum", "hsdp2x2_rc", "dp2xtp2", "fsdp2xtp2_sp_rc", "tp2xpp2_sp", "dp2xpp2_rc",
+WORLD4 = ["dp4", "dp4_rc_accum", "tp4_sp", "tp4_rc_accum", "fsdp4_accum", "fsdp4_rc", "hsdp2x2_rc", "hsdp2x2_accum",
+          "dp2xtp2", "dp2xtp2_rc", "fsdp2xtp2_sp_rc", "tp2xpp2_sp", "tp2xpp2_rc_accum", "dp2xpp2", "dp2xpp2_rc",
           "fsdp2xpp2", "dp2xtp2:tied", "fsdp2xtp2_sp_rc:bf16"]
-WORLD8 = ["dp2xtp2xpp2", "fsdp2xtp2xpp2_sp_rc"]
+WORLD8 = ["dp2xtp2xpp2", "dp2xtp2xpp2_rc_accum", "fsdp2xtp2xpp2_sp_rc"]
 TWO_NODES = ["dp2xtp2", "fsdp2xpp2", "hsdp2x2_rc"]
 
 
@@ -234,16 +235,19 @@ def _compare_metrics(got: list[dict], ref: list[dict], keys=("loss", "grad_norm"
 
 
 def test_cli_train_under_torchrun_matches_single_process(tiny_dataset, tmp_path):
+    """`meshformer train` metrics under pp2 (launch) and FSDP x TP (torchrun) equal one process; the FSDP x TP
+    checkpoint then resumes in one process and continues exactly like the uninterrupted single-process run."""
     from conftest import tiny_overrides
 
-    common = {"runner_config.stop_step": 5, "do_eval": "true", "eval_config.eval_iters": 2,
-              "train_dataset.batch_size": 2}
-    single = tiny_overrides(tiny_dataset, tmp_path / "one", {**common, "runner_config.gradient_accumulation_steps": 4})
+    common = {"do_eval": "true", "eval_config.eval_iters": 2, "eval_config.eval_interval": 5,
+              "train_dataset.batch_size": 2, "lr_schedule.total_steps": 8, "runner_config.stop_step": 5}
+    single = tiny_overrides(tiny_dataset, tmp_path / "one", {**common, "runner_config.gradient_accumulation_steps": 4,
+                                                             "runner_config.stop_step": 8})
     p = subprocess.run([sys.executable, "-m", "meshformer", "train", str(_empty_yaml(tmp_path)), *single],
                        capture_output=True, text=True, env=_env(), timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     ref = _metrics(tmp_path / "one")
-    assert len(ref) == 5 and "eval_loss" in ref[-1]
+    assert len(ref) == 8 and "eval_loss" in ref[4] and "eval_loss" in ref[7]
 
     # pp2 (1F1B, 4 micro-batches) through `meshformer launch`.
     pp = tiny_overrides(tiny_dataset, tmp_path / "pp", {**common, "parallel_config.pipeline_stage": 2,
@@ -251,7 +255,7 @@ def test_cli_train_under_torchrun_matches_single_process(tiny_dataset, tmp_path)
     p = subprocess.run([sys.executable, "-m", "meshformer", "launch", "--nproc", "2", str(_empty_yaml(tmp_path)), *pp],
                        capture_output=True, text=True, env=_env(), timeout=300)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
-    _compare_metrics(_metrics(tmp_path / "pp"), ref)
+    _compare_metrics(_metrics(tmp_path / "pp"), ref[:5])
 
     # FSDP x TP with sequence parallel and accumulation, 4 processes, plain torchrun.
     ft = tiny_overrides(tiny_dataset, tmp_path / "ft", {**common, "parallel_config.data_parallel": 2,
@@ -262,9 +266,16 @@ def test_cli_train_under_torchrun_matches_single_process(tiny_dataset, tmp_path)
     p = subprocess.run([*TORCHRUN, "--standalone", "--nproc-per-node", "4", "-m", "meshformer", "train",
                         str(_empty_yaml(tmp_path)), *ft], capture_output=True, text=True, env=_env(), timeout=400)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
-    # (The trainer's eval batch is global_batch / n_micro samples: with another accumulation count it reads
-    # other samples, so eval_loss is not comparable here.)
-    _compare_metrics(_metrics(tmp_path / "ft"), ref, keys=("loss", "grad_norm"))
+    _compare_metrics(_metrics(tmp_path / "ft"), ref[:5])
+
+    # Resume the 4-process FSDP x TP checkpoint (step 5) in one process: DCP reshards weights and optimizer.
+    resumed = tiny_overrides(tiny_dataset, tmp_path / "ft", {**common, "runner_config.gradient_accumulation_steps": 4,
+                                                             "runner_config.stop_step": 8, "resume_training": "true"})
+    p = subprocess.run([sys.executable, "-m", "meshformer", "train", str(_empty_yaml(tmp_path)), *resumed],
+                       capture_output=True, text=True, env=_env(), timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "resumed from" in p.stdout and "step_00000005" in p.stdout
+    _compare_metrics(_metrics(tmp_path / "ft"), ref)
 
 
 def _empty_yaml(tmp_path: Path) -> Path:
