@@ -84,3 +84,34 @@ def test_cli_bad_dataset_dir_is_one_line_exit_2(tmp_path):
                        capture_output=True, text=True)
     assert r.returncode == 2
     assert r.stderr.count("\n") == 1 and "dataset_dir" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_seed_section_33_yaml_trains_with_only_size_layout_warmup_steps_overridden(tiny_dataset, tmp_path):
+    """The seed's skeleton, saved as written, with the README's overrides (data, size, degrees, warm-up, steps)."""
+    from conftest import ROOT
+
+    overrides = ["--train_dataset.data_loader.dataset_dir", str(tiny_dataset),
+                 "--model.model_config.hidden_size", "32", "--model.model_config.num_layers", "2",
+                 "--model.model_config.num_heads", "4", "--model.model_config.seq_length", "32",
+                 "--model.model_config.vocab_size", "512", "--parallel_config.data_parallel", "1",
+                 "--parallel_config.model_parallel", "1", "--parallel_config.pipeline_stage", "1",
+                 "--optimizer.warmup_steps", "2", "--runner_config.stop_step", "4", "--output_dir", str(tmp_path / "o")]
+    cfg = load_config(ROOT / "configs" / "seed_pretrain_skeleton.yaml", overrides)
+    assert cfg.train_dataset.batch_size == 4 and cfg.parallel_config.micro_batch_num == 8
+    run_training(cfg)
+    recs = metrics(tmp_path / "o")
+    assert [r["step"] for r in recs] == [1, 2, 3, 4] and all(r["loss"] > 0 for r in recs)
+
+
+def test_seven_b_config_is_the_seed_layout_and_batch():
+    from conftest import ROOT
+    from meshformer.config import validate_layout
+    from meshformer.parallel.env import ParallelEnv
+    from meshformer.train.trainer import BatchPlan
+
+    cfg = load_config(ROOT / "configs" / "llama2_7b_pretrain_8card.yaml")
+    validate_layout(cfg, 8)
+    with pytest.raises(UserError, match="but 4 processes"):
+        validate_layout(cfg, 4)
+    plan = BatchPlan.from_config(cfg, ParallelEnv(world_size=8, dp_size=2, tp_size=2, pp_size=2))
+    assert plan.global_batch == 64 and plan.n_micro == 8  # seed 2.4: global batch 64
