@@ -71,6 +71,9 @@ class Trainer:
         self.cfg = cfg
         self.mc = cfg.model.model_config
         self.out = Path(cfg.output_dir)
+        if self.mc.compute_dtype == "float16":  # before any process group: fp16 without loss scaling diverges
+            raise UserError("model.model_config.compute_dtype=float16 needs dynamic loss scaling, which meshformer "
+                            "does not have yet: use bfloat16 (same memory, no scaling needed)")
         self.env = init_parallel(cfg)
         self.console = Progress(cfg.monitor_config.progress_bar, enabled=self.env.is_metrics_rank)
         for n in notices or []:
