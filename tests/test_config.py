@@ -292,3 +292,13 @@ def test_offsets():
                         ([3, 1, -2, 0], ">= 1"), (2, "use 0 (even split) or a list")):
         msg = error(validate_layout, layout(num_layers=10, pipeline_stage=4, micro_batch_num=4, offset=off), None)
         assert "model.model_config.offset" in msg and needle in msg, msg
+
+
+def test_override_replaces_a_field_the_file_spells_by_its_alias(tmp_path):
+    p = write(tmp_path, "runner_config:\n  train_steps: 100\nmodel:\n  model_config:\n    rotary_emb_base: 500000\n")
+    cfg = load_config(p, ["--runner_config.stop_step", "20", "--model.model_config.theta", "1000"])
+    assert cfg.runner_config.stop_step == 20 and cfg.model.model_config.theta == 1000.0
+
+
+def test_numeric_looking_strings_from_the_command_line_stay_strings():
+    assert load_config(None, ["--output_dir", "2024"]).output_dir == "2024"

@@ -250,7 +250,7 @@ def test_cli_end_to_end_with_a_saved_checkpoint(model, tmp_path, capsys):
     cfg = MeshformerConfig()
     cfg.model.model_config = model.config
     extra = {"config.yaml": yaml.safe_dump(to_dict(cfg)).encode(), "tokenizer.json": _word_tokenizer().to_str().encode()}
-    save_checkpoint(tmp_path / "checkpoint" / "step_00000001", [model], torch.optim.AdamW(model.parameters()),
+    save_checkpoint(tmp_path / "checkpoint" / "step_00000001", [model], [torch.optim.AdamW(model.parameters())],
                     {"step": 1}, extra, True, lambda: None)
     prompt = " ".join(f"w{t}" for t in PROMPT)
     assert main(["generate", "--checkpoint", str(tmp_path), "--prompt", prompt, "--greedy", "--max-new-tokens", "5",

@@ -75,6 +75,7 @@ def test_bf16_compute_trains_close_to_fp32(tiny_dataset, tmp_path):
     # bf16 keeps ~3 significant digits; after 3 steps of a 6.2-nat loss the runs agree to about 1e-2.
     for a, b in zip(fp32, bf16):
         assert abs(a["loss"] - b["loss"]) < 2e-2 * a["loss"]
+    assert any(a["loss"] != b["loss"] for a, b in zip(fp32, bf16)), "bf16 was not applied"
 
 
 def test_cli_bad_dataset_dir_is_one_line_exit_2(tmp_path):

@@ -5,7 +5,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-import yaml
 
 from meshformer.checkpoint.store import load_model_weights, resolve_checkpoint
 from meshformer.errors import UserError
@@ -13,8 +12,7 @@ from meshformer.errors import UserError
 
 def load_for_inference(path: str | Path, device: str | torch.device = "cpu"):
     """-> (model in eval mode, MeshformerConfig, tokenizers.Tokenizer). `path`: a checkpoint or a run's output_dir."""
-    from meshformer.config.load import from_dict
-    from meshformer.config.schema import MeshformerConfig
+    from meshformer.config.load import load_config
     from meshformer.data.tokenizer import load_tokenizer
     from meshformer.models import create_model
 
@@ -22,7 +20,7 @@ def load_for_inference(path: str | Path, device: str | torch.device = "cpu"):
     cfg_file = ckpt / "config.yaml"
     if not cfg_file.is_file():
         raise UserError(f"{ckpt}: config.yaml is missing: this checkpoint was not written by `meshformer train`")
-    cfg = from_dict(MeshformerConfig, yaml.safe_load(cfg_file.read_text()), (), [])
+    cfg = load_config(cfg_file)
     mc = cfg.model.model_config
     model = create_model(mc, cfg.seed, device)
     load_model_weights(ckpt, [model])

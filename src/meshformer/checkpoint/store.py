@@ -3,7 +3,7 @@
 Layout of `{output_dir}/checkpoint/step_{N:08d}/`:
     model/*.safetensors      model weights (DCP, Hugging Face storage: safetensors, no pickle)
     optim/*.safetensors      optimizer tensors (exp_avg, exp_avg_sq, step), flattened by name
-    trainer_state.json       step, consumed global batches, layout it was saved under, metrics to resume
+    trainer_state.json       step (= consumed global batches), global batch, seed, seq_length, layout
     config.yaml              the resolved config of the run
     tokenizer.json           the tokenizer the data was made with (for `meshformer generate`)
 
@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                      get_optimizer_state_dict, set_model_state_dict,
                                                      set_optimizer_state_dict)
@@ -65,14 +66,20 @@ def _model_sd(parts) -> dict:
     return sd
 
 
-def _optim_sd(parts, optimizer) -> dict:
-    """Flattened optimizer tensors keyed by parameter name (param_groups come from the config, not the file)."""
-    sd = get_optimizer_state_dict(parts if len(parts) > 1 else parts[0], optimizer,
-                                  options=StateDictOptions(flatten_optimizer_state_dict=True))
-    return {k: v for k, v in sd.items() if torch.is_tensor(v)}
+FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
-def save_checkpoint(path: Path, parts, optimizer, trainer_state: dict, extra_files: dict[str, bytes],
+def _optim_sd(parts, optimizers) -> dict:
+    """Flattened optimizer tensors keyed by parameter name (param_groups come from the config, not the file).
+
+    `optimizers` holds one optimizer per part (train.optim.Optimizers.items)."""
+    sd = {}
+    for m, o in zip(parts, optimizers):
+        sd.update({k: v for k, v in get_optimizer_state_dict(m, o, options=FLAT).items() if torch.is_tensor(v)})
+    return sd
+
+
+def save_checkpoint(path: Path, parts, optimizers, trainer_state: dict, extra_files: dict[str, bytes],
                     is_writer_rank: bool, barrier) -> Path:
     """Collective: every rank calls it. Returns the final directory."""
     tmp = path.with_name(path.name + ".tmp")
@@ -82,7 +89,7 @@ def save_checkpoint(path: Path, parts, optimizer, trainer_state: dict, extra_fil
         tmp.mkdir(parents=True)
     barrier()
     dcp.save(_model_sd(parts), storage_writer=dcp.HuggingFaceStorageWriter(str(tmp / "model"), save_distributed=True))
-    dcp.save(_optim_sd(parts, optimizer), storage_writer=dcp.HuggingFaceStorageWriter(str(tmp / "optim"),
+    dcp.save(_optim_sd(parts, optimizers), storage_writer=dcp.HuggingFaceStorageWriter(str(tmp / "optim"),
                                                                                         save_distributed=True))
     barrier()
     if is_writer_rank:
@@ -98,18 +105,27 @@ def save_checkpoint(path: Path, parts, optimizer, trainer_state: dict, extra_fil
 
 def load_model_weights(path: Path, parts) -> None:
     sd = _model_sd(parts)
-    dcp.load(sd, storage_reader=dcp.HuggingFaceStorageReader(str(path / "model")))
+    _dcp_load(sd, path / "model")
     for m in parts:
         set_model_state_dict(m, sd, options=StateDictOptions(strict=False))
 
 
-def load_optimizer(path: Path, parts, optimizer) -> None:
-    target = _optim_sd(parts, optimizer)
-    dcp.load(target, storage_reader=dcp.HuggingFaceStorageReader(str(path / "optim")))
-    model = parts if len(parts) > 1 else parts[0]
-    full = get_optimizer_state_dict(model, optimizer, options=StateDictOptions(flatten_optimizer_state_dict=True))
-    full.update(target)
-    set_optimizer_state_dict(model, optimizer, full, options=StateDictOptions(flatten_optimizer_state_dict=True))
+def load_optimizer(path: Path, parts, optimizers) -> None:
+    fulls = [get_optimizer_state_dict(m, o, options=FLAT) for m, o in zip(parts, optimizers)]
+    target = {k: v for full in fulls for k, v in full.items() if torch.is_tensor(v)}
+    _dcp_load(target, path / "optim")
+    for m, o, full in zip(parts, optimizers, fulls):  # dcp.load filled the tensors of `fulls` in place
+        set_optimizer_state_dict(m, o, full, options=FLAT)
+
+
+def _dcp_load(sd: dict, where: Path) -> None:
+    """DCP load whose failures (missing tensors, wrong shapes) become a one-line UserError."""
+    try:
+        dcp.load(sd, storage_reader=dcp.HuggingFaceStorageReader(str(where)))
+    except (CheckpointException, RuntimeError, ValueError, KeyError) as e:
+        detail = str(e).strip().splitlines()[-1][:200] if str(e).strip() else type(e).__name__
+        raise UserError(f"checkpoint {str(where.parent)!r} does not fit this model ({detail}): use the model "
+                        f"settings of the config.yaml saved next to it") from None
 
 
 def read_trainer_state(path: Path) -> dict:

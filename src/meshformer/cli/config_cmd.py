@@ -68,7 +68,8 @@ def add_parser(sub) -> None:
     e.add_argument("--markdown", action="store_true", help="print docs/config.md")
     c = verbs.add_parser("check", help="load and validate a config (with overrides) and print it resolved")
     c.add_argument("config")
-    c.add_argument("--world-size", type=int, default=None, help="also check the layout against this many processes")
+    c.add_argument("--world-size", type=int, default=None,
+                   help="also check the layout against this many processes (default: the config's own product)")
     c.set_defaults(accepts_overrides=True)
     p.set_defaults(func=run)
 
@@ -77,11 +78,10 @@ def run(args) -> int:
     if args.verb == "check":
         import yaml
         from meshformer.config.load import load_config, print_notices, to_dict
-        from meshformer.config.validate import validate_layout
+        from meshformer.config.validate import validate_run
         notices: list[str] = []
         cfg = load_config(args.config, args.overrides, notices=notices)
-        if args.world_size:
-            validate_layout(cfg, args.world_size)
+        validate_run(cfg, args.world_size)
         print_notices(notices)
         print(yaml.safe_dump(to_dict(cfg), sort_keys=False), end="")
         return 0

@@ -35,15 +35,13 @@ def torchrun_command(nproc: int, config: str, overrides: list[str], master_port:
 
 def run(args) -> int:
     from meshformer.config.load import load_config
-    from meshformer.config.validate import validate_layout
+    from meshformer.config.validate import validate_run
     from meshformer.errors import UserError
-    from meshformer.parallel.env import check_parallel_support
 
     if args.nproc < 1:
         raise UserError(f"--nproc {args.nproc}: give the number of processes to start (at least 1)")
     cfg = load_config(args.config, args.overrides)
-    validate_layout(cfg, args.nproc)   # a wrong product fails here, before any process starts
-    check_parallel_support(cfg)
+    validate_run(cfg, args.nproc)   # a wrong product fails here, before any process starts
     cmd = torchrun_command(args.nproc, args.config, args.overrides, args.master_port)
     if args.print_command:
         print(shlex.join(cmd))

@@ -22,13 +22,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     for name in COMMANDS:
-        try:
-            mod = importlib.import_module(f"meshformer.cli.{name}_cmd")
-        except ModuleNotFoundError as e:
-            if e.name != f"meshformer.cli.{name}_cmd":
-                raise
-            continue  # not built yet
-        mod.add_parser(sub)
+        importlib.import_module(f"meshformer.cli.{name}_cmd").add_parser(sub)
     return parser
 
 

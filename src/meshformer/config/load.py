@@ -85,6 +85,29 @@ def apply_override(data: dict, dotted: str, value: Any) -> None:
     if isinstance(node, list):
         raise UserError(f"override --{dotted}: address a list item's field, e.g. --callbacks.0.per_print_times 5")
     node[parts[-1]] = value
+    # The file may spell the same field by an alias (train_steps for stop_step): the override replaces it.
+    for other in _spellings(parts) - {parts[-1]}:
+        node.pop(other, None)
+
+
+def _spellings(parts: list[str]) -> set[str]:
+    """Every name (field and aliases) of the schema field at the dotted path, or {} when it is not one."""
+    cls: Any = MeshformerConfig
+    for depth, part in enumerate(parts):
+        if cls is None:
+            return set()
+        if part.isdigit() or not is_dataclass_type(cls):  # a list item: its schema, if it has one
+            cls = LIST_ITEM_SCHEMAS.get(tuple(parts[:depth]))
+            continue
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        name = next((n for n, f in fields.items() if part == n or part in f.metadata.get("aliases", ())), None)
+        if name is None:
+            return set()
+        if depth == len(parts) - 1:
+            return {name, *fields[name].metadata.get("aliases", ())}
+        tp = typing.get_type_hints(cls)[name]
+        cls = tp if is_dataclass_type(tp) else LIST_ITEM_SCHEMAS.get(tuple(parts[:depth + 1]))
+    return set()
 
 
 def _default_section(path: list[str]) -> dict | list:
@@ -184,6 +207,8 @@ def _coerce(options: list, value: Any) -> Any:
                 pass
         if opt is str and isinstance(value, str):
             return value
+        if opt is str and isinstance(value, (int, float)) and not isinstance(value, bool):
+            return str(value)  # `--output_dir 2024` arrives YAML-typed as a number
         if opt is list and isinstance(value, list):
             return value
         if opt is dict and isinstance(value, dict):

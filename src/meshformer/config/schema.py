@@ -58,7 +58,7 @@ class ModelConfig:
     compute_dtype: str = F("float32", "Dtype of matmuls and activations (bfloat16 for mixed precision).", choices=DTYPES)
     layernorm_compute_dtype: str = F("float32", "Dtype RMSNorm computes in (keep float32 for stability).",
                                      choices=DTYPES, aliases=("layernorm_compute_type",))
-    softmax_compute_dtype: str = F("float32", "Dtype of attention softmax and the loss's log-softmax.",
+    softmax_compute_dtype: str = F("float32", "Dtype of the loss's log-softmax (attention kernels accumulate softmax in fp32).",
                                    choices=DTYPES, aliases=("softmax_compute_type",))
     rotary_dtype: str = F("float32", "Dtype the rotary cos/sin tables are computed in.", choices=DTYPES)
     param_init_type: str = F("float32", "Dtype parameters are stored in (the master weights).", choices=DTYPES,
@@ -95,8 +95,10 @@ class DataLoaderConfig:
 @dataclass
 class DatasetConfig:
     data_loader: DataLoaderConfig = F(DataLoaderConfig, "Where the tokens come from.")
-    batch_size: int = F(1, "Micro-batch size: samples per data-parallel rank per forward pass.", gt=0)
-    drop_remainder: bool = F(True, "Drop the last incomplete global batch of an epoch (only True is supported).")
+    batch_size: int | None = F(None, "Micro-batch size: samples per forward pass on each data-parallel rank "
+                                     "(default: runner_config.batch_size, else 1).", gt=0)
+    drop_remainder: bool = F(True, "MindSpore batching flag (accepted; training always drops an epoch's incomplete "
+                                   "last global batch, evaluation reads whole micro-batches).")
     split: str = F("train", "Which split of the dataset directory to read: train or validation.",
                    choices=("train", "validation"))
 
@@ -149,8 +151,8 @@ class LrScheduleConfig:
 
 @dataclass
 class RunnerConfig:
-    epochs: int = F(1, "Passes over the training split (the run ends at stop_step if that comes first).", gt=0)
-    batch_size: int | None = F(None, "Micro-batch size (MindSpore duplicate of train_dataset.batch_size; that one wins).", gt=0)
+    epochs: int = F(1, "Passes over the training split; used only when stop_step is 0.", gt=0)
+    batch_size: int | None = F(None, "Micro-batch size when train_dataset.batch_size is not given (MindSpore keeps both).", gt=0)
     gradient_accumulation_steps: int = F(1, "Micro-batches accumulated per optimizer step on each rank.", gt=0)
     stop_step: int = F(0, "End the run after this many optimizer steps (0: run all epochs).", ge=0,
                        aliases=("train_steps",))

@@ -76,6 +76,24 @@ def validate_config(cfg: MeshformerConfig) -> None:
             raise UserError(f"callbacks.{i}.keep_checkpoint_max must be at least 1")
 
 
+def validate_run(cfg: MeshformerConfig, world_size: int | None) -> None:
+    """Everything a run needs beyond a loadable config: the layout against the world size, and the settings
+    meshformer reads but cannot train with yet. `config check`, `launch` and every rank call it before any
+    process group exists."""
+    validate_layout(cfg, world_size)
+    mc, pc = cfg.model.model_config, cfg.parallel_config
+    if mc.compute_dtype == "float16":
+        raise UserError("model.model_config.compute_dtype=float16 needs dynamic loss scaling, which meshformer "
+                        "does not have yet: use bfloat16 (same memory, no scaling needed)")
+    if mc.tie_word_embeddings and pc.pipeline_stage > 1:
+        raise UserError("model.model_config.tie_word_embeddings=true cannot be split by pipeline_stage="
+                        f"{pc.pipeline_stage} (the embedding and output projection would live on different stages): "
+                        "set tie_word_embeddings: false, or use data_parallel/model_parallel instead of pipeline_stage")
+    if mc.compute_dtype == "float32" and mc.param_init_type != "float32":
+        raise UserError(f"model.model_config.compute_dtype=float32 is wider than param_init_type="
+                        f"{mc.param_init_type}: use compute_dtype: {mc.param_init_type}, or param_init_type: float32")
+
+
 def validate_layout(cfg: MeshformerConfig, world_size: int | None) -> None:
     """The parallel degrees against the model and (when known) the number of processes."""
     pc, mc = cfg.parallel_config, cfg.model.model_config

@@ -29,7 +29,10 @@ def canonical_name(fqn: str) -> str:
 def build_model(mc: ModelConfig) -> Transformer:
     """The model on the meta device: no memory, no random numbers yet (see init_weights)."""
     with torch.device("meta"):
-        return Transformer(mc)
+        model = Transformer(mc)
+    for p in model.parameters():  # stored (master) weights in param_init_type; rotary buffers keep rotary_dtype
+        p.data = p.data.to(DTYPE[mc.param_init_type])
+    return model
 
 
 def materialize(model: nn.Module, device: torch.device | str, seed: int, dtype: torch.dtype | None = None) -> nn.Module:
@@ -61,7 +64,7 @@ def init_weights(model: nn.Module, seed: int, dtype: torch.dtype | None = None) 
 def _draw(name: str, shape: tuple, seed: int, std: float) -> torch.Tensor:
     leaf = name.rsplit(".", 1)[-1]
     parent = name.rsplit(".", 2)[-2] if name.count(".") >= 1 else ""
-    if "norm" in parent or "layernorm" in parent:
+    if "norm" in parent:  # input_layernorm, post_attention_layernorm, norm, q_norm, k_norm
         return torch.ones(shape)
     if leaf == "bias":
         return torch.zeros(shape)
@@ -72,7 +75,7 @@ def _draw(name: str, shape: tuple, seed: int, std: float) -> torch.Tensor:
 def create_model(mc: ModelConfig, seed: int, device: torch.device | str = "cpu") -> Transformer:
     """Single-process convenience: build, allocate and initialise in param_init_type."""
     model = build_model(mc)
-    return materialize(model, device, seed, DTYPE[mc.param_init_type]).to(DTYPE[mc.param_init_type])
+    return materialize(model, device, seed, DTYPE[mc.param_init_type])
 
 
 __all__ = ["build_model", "materialize", "init_weights", "create_model", "canonical_name", "RMSNorm"]

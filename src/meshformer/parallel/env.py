@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from meshformer.config.schema import MeshformerConfig
-from meshformer.config.validate import V_SCHEDULES, validate_layout
+from meshformer.config.validate import V_SCHEDULES, validate_run
 from meshformer.errors import UserError
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
@@ -36,15 +36,6 @@ def shard_degree(cfg: MeshformerConfig) -> int:
     if pc.optimizer_shard or cfg.parallel.enable_parallel_optimizer:
         return pc.data_parallel
     return 1
-
-
-def check_parallel_support(cfg: MeshformerConfig) -> None:
-    """Layout rules this implementation adds to config.validate (run before any process group exists)."""
-    mc, pc = cfg.model.model_config, cfg.parallel_config
-    if mc.tie_word_embeddings and pc.pipeline_stage > 1:
-        raise UserError("model.model_config.tie_word_embeddings=true cannot be split by pipeline_stage="
-                        f"{pc.pipeline_stage} (the embedding and output projection would live on different stages): "
-                        "set tie_word_embeddings: false, or use data_parallel/model_parallel instead of pipeline_stage")
 
 
 @dataclass
@@ -135,8 +126,7 @@ def init_parallel(cfg: MeshformerConfig, world_size: int | None = None) -> Paral
     group and builds a new mesh for the new layout.
     """
     world = int(os.environ.get("WORLD_SIZE", "1")) if world_size is None else world_size
-    validate_layout(cfg, world)
-    check_parallel_support(cfg)
+    validate_run(cfg, world)
     pc = cfg.parallel_config
     dp, tp, pp = pc.data_parallel, pc.model_parallel, pc.pipeline_stage
     shard = shard_degree(cfg)

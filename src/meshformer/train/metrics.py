@@ -97,6 +97,13 @@ class ActivationCounter:
         return torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t)
 
 
+def _step(line: str) -> int | None:
+    try:
+        return int(json.loads(line)["step"])
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
 class MetricsLog:
     """One JSON object per optimizer step appended to {output_dir}/metrics.jsonl (metrics rank only)."""
 
@@ -105,7 +112,8 @@ class MetricsLog:
         self.enabled = enabled
         if enabled and resume_step is not None and self.path.exists():
             # Drop what the interrupted run logged after the checkpoint it resumes from: one line per step.
-            kept = [ln for ln in self.path.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] <= resume_step]
+            # A line cut off by a crash mid-write is dropped with the rest of what follows the checkpoint.
+            kept = [ln for ln in self.path.read_text().splitlines() if (_step(ln) or resume_step + 1) <= resume_step]
             self.path.write_text("".join(k + "\n" for k in kept))
         elif enabled and resume_step is None and self.path.exists():
             self.path.unlink()

@@ -46,6 +46,32 @@ def build_optimizer(named_params, cfg: MeshformerConfig) -> torch.optim.Optimize
     return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=oc.eps, foreach=oc.foreach)
 
 
+class Optimizers:
+    """One AdamW per model part (pipeline stage) this rank holds, driven as one.
+
+    DCP maps optimizer state to parameter names through the module that owns the parameters, so a rank
+    holding several stages (interleaved and V schedules) needs one optimizer per stage.
+    """
+
+    def __init__(self, parts, cfg: MeshformerConfig):
+        self.items = [build_optimizer(p.named_parameters(), cfg) for p in parts]
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return [g for o in self.items for g in o.param_groups]
+
+    def step(self) -> None:
+        for o in self.items:
+            o.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for o in self.items:
+            o.zero_grad(set_to_none=set_to_none)
+
+    def state_tensors(self) -> list[torch.Tensor]:
+        return [v for o in self.items for s in o.state.values() for v in s.values() if torch.is_tensor(v)]
+
+
 def peak_lr(cfg: MeshformerConfig) -> float:
     ls = cfg.lr_schedule
     return ls.learning_rate if ls.learning_rate is not None else cfg.optimizer.learning_rate

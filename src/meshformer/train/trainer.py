@@ -7,10 +7,9 @@ batch, so "global batch b" and "step b" are the same number, and resuming needs 
 
 from __future__ import annotations
 
-import hashlib
+import contextlib
 import math
 import shutil
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,10 +23,11 @@ from meshformer.config.load import to_dict
 from meshformer.config.schema import MeshformerConfig
 from meshformer.data.dataset import GlobalBatches, PackedDataset, SampleOrder
 from meshformer.errors import UserError
-from meshformer.models import DTYPE, build_model, materialize
+from meshformer.data.tokenizer import tokenizer_hash
+from meshformer.models import DTYPE, build_model, materialize, num_params
 from meshformer.parallel import ModelParts, ParallelEnv, init_parallel, parallelize
 from meshformer.train import metrics as M
-from meshformer.train.optim import Schedule, build_optimizer
+from meshformer.train.optim import Optimizers, Schedule
 from meshformer.train.progress import Progress
 
 
@@ -40,7 +40,7 @@ class BatchPlan:
     @classmethod
     def from_config(cls, cfg: MeshformerConfig, env: ParallelEnv) -> "BatchPlan":
         pc = cfg.parallel_config
-        mb = cfg.train_dataset.batch_size
+        mb = cfg.train_dataset.batch_size or cfg.runner_config.batch_size or 1
         n_micro = cfg.runner_config.gradient_accumulation_steps * (pc.micro_batch_num if pc.pipeline_stage > 1 else 1)
         return cls(mb, n_micro, mb * n_micro * env.dp_size)
 
@@ -62,23 +62,17 @@ def make_loss_fn(cfg: MeshformerConfig):
     return loss_fn
 
 
-def file_sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
 class Trainer:
     def __init__(self, cfg: MeshformerConfig, notices: list[str] | None = None):
         self.cfg = cfg
         self.mc = cfg.model.model_config
         self.out = Path(cfg.output_dir)
-        if self.mc.compute_dtype == "float16":  # before any process group: fp16 without loss scaling diverges
-            raise UserError("model.model_config.compute_dtype=float16 needs dynamic loss scaling, which meshformer "
-                            "does not have yet: use bfloat16 (same memory, no scaling needed)")
         self.env = init_parallel(cfg)
         self.console = Progress(cfg.monitor_config.progress_bar, enabled=self.env.is_metrics_rank)
         for n in notices or []:
             self.console.log(f"note: {n}")
         self.plan = BatchPlan.from_config(cfg, self.env)
+        self._act_bytes = 0  # saved-activation bytes of one micro-batch, measured on the first step (CPU)
         self._open_data()
         self.resume_from = self._find_resume()
         self._check_output_dir()
@@ -94,7 +88,8 @@ class Trainer:
         tok = self.train_ds.dir / "tokenizer.json"
         if not tok.is_file():
             raise UserError(f"{field}: {tok} is missing: re-run `meshformer preprocess`")
-        self.tokenizer_file, self.tokenizer_hash = tok, file_sha256(tok)
+        self.tokenizer_bytes = tok.read_bytes()
+        self.tokenizer_hash = tokenizer_hash(tok)
         self.train_ds.check_tokenizer(self.tokenizer_hash, self.mc.vocab_size, field)
         ev = cfg.eval_dataset
         self.eval_ds = None
@@ -103,9 +98,15 @@ class Trainer:
             split = "validation" if not ev.data_loader.dataset_dir or ev.split == "train" else ev.split
             self.eval_ds = PackedDataset(eval_dir, split, self.mc.seq_length, "eval_dataset.data_loader.dataset_dir")
             self.eval_ds.check_tokenizer(self.tokenizer_hash, self.mc.vocab_size, "eval_dataset.data_loader.dataset_dir")
-            if len(self.eval_ds) < self.env.dp_size:
-                raise UserError(f"eval_dataset: {len(self.eval_ds)} validation samples cannot feed {self.env.dp_size} "
-                                f"data-parallel ranks: add validation text or lower model.model_config.seq_length")
+            unit = self.env.dp_size * self.plan.micro_batch  # one micro-batch on every data-parallel rank
+            if len(self.eval_ds) < unit:
+                raise UserError(f"eval_dataset: {len(self.eval_ds)} validation samples of seq_length {self.mc.seq_length} "
+                                f"are fewer than one micro-batch per data-parallel rank ({unit}): add validation text "
+                                f"(preprocess --val-fraction) or lower model.model_config.seq_length")
+            # One global batch per eval iteration (whole micro-batches), split over dp like training.
+            eval_batch = min(self.plan.global_batch, len(self.eval_ds) // unit * unit)
+            self.eval_batches = GlobalBatches(SampleOrder(len(self.eval_ds), 0, False), eval_batch,
+                                              self.env.dp_rank, self.env.dp_size)
         order = SampleOrder(len(self.train_ds), self.cfg.seed, cfg.train_dataset.data_loader.shuffle)
         if order.n < self.plan.global_batch:
             raise UserError(f"train_dataset: {order.n} samples of seq_length {self.mc.seq_length} are fewer than one "
@@ -118,22 +119,31 @@ class Trainer:
         cfg = self.cfg
         if not cfg.resume_training:
             return None
-        src = cfg.load_checkpoint or str(self.out)
         if not cfg.load_checkpoint and not store.list_checkpoints(self.out):
             self.console.log(f"resume_training: no checkpoint in {self.out} yet; starting from step 0")
             return None
-        return store.resolve_checkpoint(src)
+        return store.resolve_checkpoint(cfg.load_checkpoint or self.out)
 
     def _check_output_dir(self) -> None:
+        """A run never silently replaces another: only resuming this output_dir's own run, or
+        overwrite_output_dir, may write where checkpoints or metrics already are."""
+        root = store.checkpoint_root(self.out).resolve()
         existing = store.list_checkpoints(self.out) or (self.out / "metrics.jsonl").exists()
-        if existing and self.resume_from is None and not self.cfg.resume_training:
+        resuming_here = self.resume_from is not None and self.resume_from.resolve().parent == root
+        if existing and not resuming_here and not (self.cfg.resume_training and self.resume_from is None):
             if not self.cfg.overwrite_output_dir:
                 raise UserError(f"output_dir={str(self.out)!r} already holds a run (checkpoints or metrics.jsonl): "
                                 f"set resume_training: true to continue it, overwrite_output_dir: true to replace it, "
                                 f"or choose another output_dir")
+            source = self.resume_from or (store.resolve_checkpoint(self.cfg.load_checkpoint)
+                                          if self.cfg.load_checkpoint else None)
+            if source is not None and root in source.resolve().parents:
+                raise UserError(f"load_checkpoint={str(source)!r} is inside output_dir, which overwrite_output_dir "
+                                f"would delete first: choose another output_dir")
             self.env.barrier()
             if self.env.rank == 0:
-                shutil.rmtree(store.checkpoint_root(self.out), ignore_errors=True)
+                shutil.rmtree(root, ignore_errors=True)
+                (self.out / "metrics.jsonl").unlink(missing_ok=True)
         self.env.barrier()
         if self.env.rank == 0:
             self.out.mkdir(parents=True, exist_ok=True)
@@ -141,14 +151,13 @@ class Trainer:
     def _build_model(self) -> None:
         cfg, env = self.cfg, self.env
         model = build_model(self.mc)
-        self.n_params = sum(p.numel() for p in model.parameters())
-        self.n_embedding = model.embed_tokens.weight.numel()
-        if self.mc.tie_word_embeddings:  # the tied head does matmul work: count it once as a matmul weight
-            self.n_embedding = 0
+        self.n_params = num_params(model)
+        # The input embedding is a lookup, not a matmul; a tied head does matmul work, so count it then.
+        self.n_embedding = 0 if self.mc.tie_word_embeddings else model.embed_tokens.weight.numel()
         self.parts: ModelParts = parallelize(model, cfg, env, make_loss_fn(cfg))
         for part in self.parts.parts:
             materialize(part, env.device, cfg.seed, DTYPE[self.mc.param_init_type])
-        self.optimizer = build_optimizer(self.parts.named_parameters(), cfg)
+        self.optimizer = Optimizers(self.parts.parts, cfg)
         self.schedule = Schedule(self.optimizer, cfg, self.total_steps)
         self.start_step = 0
         if self.resume_from is not None:
@@ -161,15 +170,22 @@ class Trainer:
 
     def _check_ckpt_tokenizer(self, ckpt: Path) -> None:
         tok = ckpt / "tokenizer.json"
-        if tok.is_file() and file_sha256(tok) != self.tokenizer_hash:
+        if tok.is_file() and tokenizer_hash(tok) != self.tokenizer_hash:
             raise UserError(f"load_checkpoint={str(ckpt)!r} was trained with a different tokenizer than "
                             f"train_dataset's: preprocess the data with the checkpoint's tokenizer.json")
 
     def _restore(self, ckpt: Path) -> None:
         state = store.read_trainer_state(ckpt)
+        # The data position is "global batches consumed": it means the same samples only if these agree.
+        for key, now in (("global_batch", self.plan.global_batch), ("seed", self.cfg.seed),
+                         ("seq_length", self.mc.seq_length)):
+            if state.get(key, now) != now:
+                raise UserError(f"resume_training: {ckpt} was saved with {key}={state[key]} but this config gives "
+                                f"{now}: keep {key} to resume, or start a new run from its weights with "
+                                f"load_checkpoint (resume_training: false)")
         self._check_ckpt_tokenizer(ckpt)
         store.load_model_weights(ckpt, self.parts.parts)
-        store.load_optimizer(ckpt, self.parts.parts, self.optimizer)
+        store.load_optimizer(ckpt, self.parts.parts, self.optimizer.items)
         self.start_step = int(state["step"])
         self.console.log(f"resumed from {ckpt} at step {self.start_step}")
 
@@ -198,10 +214,7 @@ class Trainer:
             n_tok = env.all_reduce_sum_dp((labels != self.mc.ignore_token_id).sum().to(torch.float64))
             lr = self.schedule.apply(step)
             counter = M.ActivationCounter() if step == self.start_step and env.device.type == "cpu" else None
-            if counter is not None:
-                with counter.hooks():
-                    loss_sum = self.parts.forward_backward(inputs, labels, plan.n_micro, env.grad_average_size / n_tok.item())
-            else:
+            with counter.hooks() if counter is not None else contextlib.nullcontext():
                 loss_sum = self.parts.forward_backward(inputs, labels, plan.n_micro, env.grad_average_size / n_tok.item())
             loss = (env.all_reduce_sum_dp(loss_sum.to(torch.float64)) / n_tok).item()
             clip = cfg.runner_wrapper.max_grad_norm if cfg.runner_wrapper.use_clip_grad else None
@@ -244,9 +257,7 @@ class Trainer:
         """Mean token loss over eval_iters validation batches (fixed order, so comparable across steps)."""
         env, plan, ds = self.env, self.plan, self.eval_ds
         self.parts.train(False)
-        # One global batch per eval iteration, split over dp like training: the same samples for every layout.
-        eval_batch = min(plan.global_batch, len(ds) // env.dp_size * env.dp_size)
-        order = GlobalBatches(SampleOrder(len(ds), 0, False), eval_batch, env.dp_rank, env.dp_size)
+        order = self.eval_batches
         total = torch.zeros((), dtype=torch.float64, device=env.device)
         count = torch.zeros((), dtype=torch.float64, device=env.device)
         for b in range(min(self.cfg.eval_config.eval_iters, order.per_epoch)):
@@ -259,7 +270,7 @@ class Trainer:
 
     def _state_bytes(self) -> int:
         params = list(self.parts.parameters())
-        states = [v for s in self.optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
+        states = self.optimizer.state_tensors()
         return M.tensor_bytes(params) + M.tensor_bytes(p.grad for p in params) + M.tensor_bytes(states)
 
     def _peak_mem(self, state_bytes: int, counter, n_micro: int) -> int:
@@ -269,18 +280,19 @@ class Trainer:
         # activations one micro-batch saves for backward (counted with saved-tensor hooks on the first step).
         if counter is not None:
             self._act_bytes = counter.bytes // max(1, n_micro)
-        return state_bytes + getattr(self, "_act_bytes", 0)
+        return state_bytes + self._act_bytes
 
     # ---- checkpoints --------------------------------------------------------------------------------------
     def save(self, step: int, keep: int) -> None:
         env = self.env
         path = store.checkpoint_root(self.out) / f"step_{step:08d}"
         state = {"step": step, "global_batch": self.plan.global_batch, "seed": self.cfg.seed,
+                 "seq_length": self.mc.seq_length,
                  "tokenizer_hash": self.tokenizer_hash, "layout": {
                      "data_parallel": env.dp_size, "model_parallel": env.tp_size, "pipeline_stage": env.pp_size}}
         files = {"config.yaml": yaml.safe_dump(to_dict(self.cfg), sort_keys=False).encode(),
-                 "tokenizer.json": self.tokenizer_file.read_bytes()}
-        store.save_checkpoint(path, self.parts.parts, self.optimizer, state, files, env.rank == 0, env.barrier)
+                 "tokenizer.json": self.tokenizer_bytes}
+        store.save_checkpoint(path, self.parts.parts, self.optimizer.items, state, files, env.rank == 0, env.barrier)
         if env.rank == 0:
             store.prune_checkpoints(self.out, keep)
         self.console.log(f"saved checkpoint {path}")
@@ -293,6 +305,3 @@ def run_training(cfg: MeshformerConfig, notices: list[str] | None = None) -> dic
     finally:
         trainer.env.shutdown()
 
-
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit("use `meshformer train CONFIG`")
