@@ -240,7 +240,8 @@ def test_cli_train_under_torchrun_matches_single_process(tiny_dataset, tmp_path)
     from conftest import tiny_overrides
 
     common = {"do_eval": "true", "eval_config.eval_iters": 2, "eval_config.eval_interval": 5,
-              "train_dataset.batch_size": 2, "lr_schedule.total_steps": 8, "runner_config.stop_step": 5}
+              "train_dataset.batch_size": 2, "lr_schedule.total_steps": 8, "runner_config.stop_step": 5,
+              "model.model_config.num_layers": 4}
     single = tiny_overrides(tiny_dataset, tmp_path / "one", {**common, "runner_config.gradient_accumulation_steps": 4,
                                                              "runner_config.stop_step": 8})
     p = subprocess.run([sys.executable, "-m", "meshformer", "train", str(_empty_yaml(tmp_path)), *single],
@@ -249,13 +250,17 @@ def test_cli_train_under_torchrun_matches_single_process(tiny_dataset, tmp_path)
     ref = _metrics(tmp_path / "one")
     assert len(ref) == 8 and "eval_loss" in ref[4] and "eval_loss" in ref[7]
 
-    # pp2 (1F1B, 4 micro-batches) through `meshformer launch`.
+    # pp2, interleaved 1F1B (two stages per rank, so two optimizers per rank in the checkpoint), 4 micro-batches,
+    # through `meshformer launch`.
     pp = tiny_overrides(tiny_dataset, tmp_path / "pp", {**common, "parallel_config.pipeline_stage": 2,
-                                                        "parallel_config.micro_batch_num": 4})
+                                                        "parallel_config.micro_batch_num": 4,
+                                                        "parallel_config.pipeline_schedule": "interleaved_1f1b",
+                                                        "parallel_config.pp_interleave_num": 2})
     p = subprocess.run([sys.executable, "-m", "meshformer", "launch", "--nproc", "2", str(_empty_yaml(tmp_path)), *pp],
                        capture_output=True, text=True, env=_env(), timeout=300)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
     _compare_metrics(_metrics(tmp_path / "pp"), ref[:5])
+    assert (tmp_path / "pp" / "checkpoint" / "step_00000005" / "trainer_state.json").is_file()
 
     # FSDP x TP with sequence parallel and accumulation, 4 processes, plain torchrun.
     ft = tiny_overrides(tiny_dataset, tmp_path / "ft", {**common, "parallel_config.data_parallel": 2,
