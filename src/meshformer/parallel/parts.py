@@ -87,21 +87,23 @@ class ModelParts:
         with self.loss_context(), self.autocast():
             return _local(self.loss_fn(self.parts[0](inputs), labels)).float()
 
-    def grad_norm(self) -> torch.Tensor:
+    def grad_norm(self, groups: dict | None = None) -> torch.Tensor:
         """Global L2 norm of all gradients over every rank's pieces (tp/dp via DTensor, pp via all-reduce)."""
         sq = torch.zeros((), device=self.env.device, dtype=torch.float32)
-        for grads in _grad_groups(self.parameters()).values():
+        for grads in (groups if groups is not None else _grad_groups(self.parameters())).values():
             n = torch.nn.utils.get_total_norm(grads, 2.0, False, True)
             sq += _local(n).float() ** 2
         return self.env.all_reduce_sum_pp(sq).sqrt()
 
     def clip_grad_norm_(self, max_norm: float | None) -> torch.Tensor:
         """Global L2 norm of all gradients; clips them in place when max_norm is given (torch's formula)."""
-        total = self.grad_norm()
+        groups = _grad_groups(self.parameters())
+        total = self.grad_norm(groups)
         if max_norm is not None:
-            coef = min(float(max_norm) / (float(total) + 1e-6), 1.0)
-            for grads in _grad_groups(self.parameters()).values():
-                torch._foreach_mul_(grads, coef)
+            coef = float(max_norm) / (float(total) + 1e-6)
+            if coef < 1.0:
+                for grads in groups.values():
+                    torch._foreach_mul_(grads, coef)
         return total
 
 
