@@ -43,10 +43,11 @@ CASES = {
     "fsdp2": ({P + "data_parallel": 2, P + "optimizer_shard": True}, 1),
     "fsdp2_zero3_rc_accum": ({P + "data_parallel": 2, P + "optimizer_shard": True, "recompute_config.recompute": True,
                               "recompute_config.parallel_optimizer_comm_recompute": True}, 2),
-    **{f"pp2_{s}": ({P + "pipeline_stage": 2, P + "micro_batch_num": 4, P + "pipeline_schedule": s,
-                     P + "pp_interleave_num": 2 if s in ("interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble") else 1}, 4)
+    **{f"pp2_{s}{rc}": ({P + "pipeline_stage": 2, P + "micro_batch_num": 4, P + "pipeline_schedule": s,
+                         P + "pp_interleave_num": 2 if s in ("interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble") else 1,
+                         "recompute_config.recompute": rc == "_rc"}, 4)
        for s in ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble", "zbv_zero_bubble",
-                 "dualpipev")},
+                 "dualpipev") for rc in ("", "_rc")},
     "pp2_1f1b_rc_accum": ({P + "pipeline_stage": 2, P + "micro_batch_num": 4, "recompute_config.recompute": [1, 2]}, 8),
     # 4 processes
     "dp4": ({P + "data_parallel": 4}, 1),
