@@ -99,8 +99,8 @@ class DatasetConfig:
                                      "(default: runner_config.batch_size, else 1).", gt=0)
     drop_remainder: bool = F(True, "MindSpore batching flag (accepted; training always drops an epoch's incomplete "
                                    "last global batch, evaluation reads whole micro-batches).")
-    split: str = F("train", "Which split of the dataset directory to read: train or validation.",
-                   choices=("train", "validation"))
+    split: str | None = F(None, "Split of the dataset directory to read (default: train for train_dataset, "
+                                "validation for eval_dataset).", choices=("train", "validation"))
 
 
 @dataclass

@@ -83,7 +83,7 @@ class Trainer:
         cfg, field = self.cfg, "train_dataset.data_loader.dataset_dir"
         if cfg.train_dataset.data_loader.type != "MindDataset":
             raise UserError(f"{field}: only MindDataset directories are supported")
-        self.train_ds = PackedDataset(cfg.train_dataset.data_loader.dataset_dir, cfg.train_dataset.split,
+        self.train_ds = PackedDataset(cfg.train_dataset.data_loader.dataset_dir, cfg.train_dataset.split or "train",
                                       self.mc.seq_length, field)
         tok = self.train_ds.dir / "tokenizer.json"
         if not tok.is_file():
@@ -95,7 +95,7 @@ class Trainer:
         self.eval_ds = None
         if cfg.do_eval or cfg.eval_config.eval_interval > 0:
             eval_dir = ev.data_loader.dataset_dir or cfg.train_dataset.data_loader.dataset_dir
-            split = "validation" if not ev.data_loader.dataset_dir or ev.split == "train" else ev.split
+            split = ev.split or "validation"
             self.eval_ds = PackedDataset(eval_dir, split, self.mc.seq_length, "eval_dataset.data_loader.dataset_dir")
             self.eval_ds.check_tokenizer(self.tokenizer_hash, self.mc.vocab_size, "eval_dataset.data_loader.dataset_dir")
             unit = self.env.dp_size * self.plan.micro_batch  # one micro-batch on every data-parallel rank
