@@ -1,4 +1,5 @@
-# Two entry points for a fresh machine: `make demo` (train on Shakespeare, then generate) and `make test`.
+# Two entry points for a fresh machine: `make demo` (train on Shakespeare, then generate) and `make test`
+# (lint and format check with ruff, then the test suite).
 # Both create .venv at the repository root when missing: torch==2.13.0 first (the CPU build; an unpinned torch
 # pulls several GB of CUDA), then meshformer itself with its test extras.
 SHELL := /bin/bash
@@ -25,6 +26,8 @@ demo: $(STAMP)
 	$(BIN)/meshformer generate --checkpoint runs/demo --prompt "ROMEO." --max-new-tokens 80 --top-p 0.9 --temperature 0.8 --seed 0
 
 test: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 	$(BIN)/python -m pytest tests
 
 bench: $(STAMP)

@@ -27,7 +27,6 @@ timed steps and as total tokens / total time.
 from __future__ import annotations
 
 import argparse
-import math
 import statistics
 import sys
 import time
@@ -36,7 +35,9 @@ import torch
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--hidden", type=int, default=512)
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--heads", type=int, default=8)
@@ -54,10 +55,18 @@ def parse_args(argv=None):
     p.add_argument("--weight-decay", type=float, default=0.1)
     p.add_argument("--max-grad-norm", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--hf-foreach", choices=("default", "true", "false"), default="default",
-                   help="HF side's torch.optim.AdamW foreach= (default: torch's own choice, for-loop on CPU)")
-    p.add_argument("--mf-foreach", choices=("config", "true", "false"), default="config",
-                   help="meshformer's optimizer.foreach (config: the schema default)")
+    p.add_argument(
+        "--hf-foreach",
+        choices=("default", "true", "false"),
+        default="default",
+        help="HF side's torch.optim.AdamW foreach= (default: torch's own choice, for-loop on CPU)",
+    )
+    p.add_argument(
+        "--mf-foreach",
+        choices=("config", "true", "false"),
+        default="config",
+        help="meshformer's optimizer.foreach (config: the schema default)",
+    )
     p.add_argument("--show-steps", type=int, default=5, help="print per-step losses of this many first steps")
     p.add_argument("--peak-flops", type=float, default=0.0, help="peak FLOP/s for MFU (0: time a matmul)")
     p.add_argument("--profile", type=int, default=0, help="after timing, profile this many steps per side")
@@ -68,51 +77,58 @@ def parse_args(argv=None):
 # ---- meshformer ----------------------------------------------------------------------------------------------
 def build_meshformer(a):
     from meshformer.config import load_config
-    from meshformer.models import DTYPE, build_model, materialize
-    from meshformer.parallel import init_parallel, parallelize
-    from meshformer.train.optim import build_optimizer
-    from meshformer.train.trainer import make_loss_fn
+    from meshformer.parallel import init_parallel
+    from meshformer.train.optim import Optimizers
+    from meshformer.train.step import build_parts
 
     o = {
-        "model.model_config.hidden_size": a.hidden, "model.model_config.num_layers": a.layers,
-        "model.model_config.num_heads": a.heads, "model.model_config.n_kv_heads": a.kv_heads,
-        "model.model_config.intermediate_size": a.ffn, "model.model_config.vocab_size": a.vocab,
-        "model.model_config.seq_length": a.seq, "model.model_config.tie_word_embeddings": False,
+        "model.model_config.hidden_size": a.hidden,
+        "model.model_config.num_layers": a.layers,
+        "model.model_config.num_heads": a.heads,
+        "model.model_config.n_kv_heads": a.kv_heads,
+        "model.model_config.intermediate_size": a.ffn,
+        "model.model_config.vocab_size": a.vocab,
+        "model.model_config.seq_length": a.seq,
+        "model.model_config.tie_word_embeddings": False,
         "model.model_config.compute_dtype": "bfloat16" if a.dtype == "bf16" else "float32",
         "model.model_config.param_init_type": "float32",
-        "train_dataset.batch_size": a.batch, "seed": a.seed,
-        "optimizer.learning_rate": a.lr, "optimizer.weight_decay": a.weight_decay,
-        "lr_schedule.type": "constant", "runner_wrapper.use_clip_grad": True,
+        "train_dataset.batch_size": a.batch,
+        "seed": a.seed,
+        "optimizer.learning_rate": a.lr,
+        "optimizer.weight_decay": a.weight_decay,
+        "lr_schedule.type": "constant",
+        "runner_wrapper.use_clip_grad": True,
         "runner_wrapper.max_grad_norm": a.max_grad_norm,
     }
     if a.mf_foreach != "config":
         o["optimizer.foreach"] = a.mf_foreach == "true"
     overrides = [s for k, v in o.items() for s in (f"--{k}", str(v))]
     cfg = load_config(None, overrides)
-    mc = cfg.model.model_config
     env = init_parallel(cfg, world_size=1)
-    model = build_model(mc)
-    n_params = sum(p.numel() for p in model.parameters())
-    n_embedding = model.embed_tokens.weight.numel()
-    parts = parallelize(model, cfg, env, make_loss_fn(cfg))
-    for part in parts.parts:
-        materialize(part, env.device, cfg.seed, DTYPE[mc.param_init_type])
-    optimizer = build_optimizer(parts.named_parameters(), cfg)
+    built = build_parts(cfg, env)  # the trainer's build: model, transforms, parallelize, materialize
+    n_params = sum(p.numel() for p in built.model.parameters())
+    n_embedding = built.model.embed_tokens.weight.numel()
+    parts = built.parts
+    optimizer = Optimizers(parts.parts, cfg)
     parts.train()
     return cfg, env, parts, optimizer, n_params, n_embedding
 
 
 def meshformer_step(cfg, env, parts, optimizer, tokens):
-    """One optimizer step exactly as Trainer.train runs it (n_micro = 1, one process)."""
-    inputs, labels = tokens[:, :-1], tokens[:, 1:]
-    n_tok = (labels != cfg.model.model_config.ignore_token_id).sum().to(torch.float64)
-    loss_sum = parts.forward_backward(inputs, labels, 1, env.grad_average_size / n_tok.item())
-    loss = (loss_sum.to(torch.float64) / n_tok).item()
-    clip = cfg.runner_wrapper.max_grad_norm if cfg.runner_wrapper.use_clip_grad else None
-    float(parts.clip_grad_norm_(clip))
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    return loss
+    """One optimizer step: the trainer's own train_step (n_micro = 1, one process)."""
+    from meshformer.train.step import clip_threshold, train_step
+
+    result = train_step(
+        parts,
+        optimizer,
+        env,
+        tokens[:, :-1],
+        tokens[:, 1:],
+        n_micro=1,
+        ignore_index=cfg.model.model_config.ignore_token_id,
+        max_grad_norm=clip_threshold(cfg),
+    )
+    return result.loss
 
 
 # ---- transformers --------------------------------------------------------------------------------------------
@@ -120,10 +136,22 @@ def build_hf(a, cfg, mf_model):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     mc = cfg.model.model_config
-    hc = LlamaConfig(vocab_size=a.vocab, hidden_size=a.hidden, intermediate_size=a.ffn, num_hidden_layers=a.layers,
-                     num_attention_heads=a.heads, num_key_value_heads=a.kv_heads, rms_norm_eps=mc.rms_norm_eps,
-                     rope_theta=mc.theta, max_position_embeddings=a.seq, tie_word_embeddings=False,
-                     attention_bias=False, mlp_bias=False, attention_dropout=0.0, use_cache=False)
+    hc = LlamaConfig(
+        vocab_size=a.vocab,
+        hidden_size=a.hidden,
+        intermediate_size=a.ffn,
+        num_hidden_layers=a.layers,
+        num_attention_heads=a.heads,
+        num_key_value_heads=a.kv_heads,
+        rms_norm_eps=mc.rms_norm_eps,
+        rope_theta=mc.theta,
+        max_position_embeddings=a.seq,
+        tie_word_embeddings=False,
+        attention_bias=False,
+        mlp_bias=False,
+        attention_dropout=0.0,
+        use_cache=False,
+    )
     hc._attn_implementation = "sdpa"
     hf = LlamaForCausalLM(hc).to(torch.float32)
     # Our parameter names are HF's without the "model." prefix (lm_head keeps its name).
@@ -134,12 +162,16 @@ def build_hf(a, cfg, mf_model):
         sys.exit(f"weight copy into HF failed: missing {missing}, unexpected {unexpected}")
     hf.train()
     oc = cfg.optimizer
-    decay = [p for p in hf.parameters() if p.ndim >= 2]   # same rule as meshformer: no decay on norms/biases
+    decay = [p for p in hf.parameters() if p.ndim >= 2]  # same rule as meshformer: no decay on norms/biases
     no_decay = [p for p in hf.parameters() if p.ndim < 2]
     kw = {} if a.hf_foreach == "default" else {"foreach": a.hf_foreach == "true"}
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": oc.weight_decay},
-                             {"params": no_decay, "weight_decay": 0.0}],
-                            lr=a.lr, betas=(oc.beta1, oc.beta2), eps=oc.eps, **kw)
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": oc.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=a.lr,
+        betas=(oc.beta1, oc.beta2),
+        eps=oc.eps,
+        **kw,
+    )
     return hf, opt
 
 
@@ -171,6 +203,7 @@ def check_logits(parts, hf, a, autocast_dtype) -> float:
 
 def measure_peak(dtype) -> tuple[float, str]:
     from meshformer.train.metrics import peak_flops
+
     best = 0.0
     for _ in range(3):  # best of three: the machine is shared, a slow sample is someone else's load
         f, src = peak_flops(torch.device("cpu"), dtype, 0.0)
@@ -180,6 +213,7 @@ def measure_peak(dtype) -> tuple[float, str]:
 
 def profile_steps(name, fn, n):
     from torch.profiler import ProfilerActivity, profile
+
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(n):
             fn()
@@ -192,8 +226,9 @@ def main(argv=None) -> int:
     if a.threads:
         torch.set_num_threads(a.threads)
     torch.manual_seed(a.seed)
-    from meshformer.train.metrics import flops_per_token
     import transformers
+
+    from meshformer.train.metrics import flops_per_token
 
     cfg, env, parts, mf_opt, n_params, n_emb = build_meshformer(a)
     mc = cfg.model.model_config
@@ -201,17 +236,24 @@ def main(argv=None) -> int:
     hf, hf_opt = build_hf(a, cfg, parts.parts[0])
     n_hf = sum(p.numel() for p in hf.parameters())
 
-    print(f"torch {torch.__version__}, transformers {transformers.__version__}, {torch.get_num_threads()} threads, "
-          f"dtype {a.dtype}" + (" (autocast bf16, fp32 master weights)" if autocast_dtype else ""))
-    print(f"model: hidden {a.hidden}, {a.layers} layers, {a.heads} heads / {a.kv_heads} kv, ffn {a.ffn}, vocab "
-          f"{a.vocab}, seq {a.seq}, batch {a.batch}: {n_params / 1e6:.2f}M parameters (HF {n_hf / 1e6:.2f}M)")
+    print(
+        f"torch {torch.__version__}, transformers {transformers.__version__}, {torch.get_num_threads()} threads, "
+        f"dtype {a.dtype}" + (" (autocast bf16, fp32 master weights)" if autocast_dtype else "")
+    )
+    print(
+        f"model: hidden {a.hidden}, {a.layers} layers, {a.heads} heads / {a.kv_heads} kv, ffn {a.ffn}, vocab "
+        f"{a.vocab}, seq {a.seq}, batch {a.batch}: {n_params / 1e6:.2f}M parameters (HF {n_hf / 1e6:.2f}M)"
+    )
     from torch.optim.optimizer import _default_to_fused_or_foreach
+
     hf_impl = hf_opt.defaults.get("foreach")
     if hf_impl is None:
         hf_impl = f"None -> {_default_to_fused_or_foreach(list(hf.parameters()), False, False)[1]}"
-    print(f"AdamW lr {a.lr}, betas ({cfg.optimizer.beta1}, {cfg.optimizer.beta2}), eps {cfg.optimizer.eps}, "
-          f"weight decay {cfg.optimizer.weight_decay} (not on 1-D), clip {a.max_grad_norm}; meshformer foreach="
-          f"{cfg.optimizer.foreach}, HF foreach={hf_impl}")
+    print(
+        f"AdamW lr {a.lr}, betas ({cfg.optimizer.beta1}, {cfg.optimizer.beta2}), eps {cfg.optimizer.eps}, "
+        f"weight decay {cfg.optimizer.weight_decay} (not on 1-D), clip {a.max_grad_norm}; meshformer foreach="
+        f"{cfg.optimizer.foreach}, HF foreach={hf_impl}"
+    )
     diff32 = check_logits(parts, hf, a, None)
     line = f"initial logits max |meshformer - HF|: fp32 {diff32:.2e}"
     if autocast_dtype is not None:
@@ -223,8 +265,10 @@ def main(argv=None) -> int:
     total = a.warmup + a.steps
     data = batches(a, total)
     tok_per_step = a.batch * a.seq
-    sides = {"meshformer": lambda t: meshformer_step(cfg, env, parts, mf_opt, t),
-             "HF": lambda t: hf_step(hf, hf_opt, t, autocast_dtype, a.max_grad_norm)}
+    sides = {
+        "meshformer": lambda t: meshformer_step(cfg, env, parts, mf_opt, t),
+        "HF": lambda t: hf_step(hf, hf_opt, t, autocast_dtype, a.max_grad_norm),
+    }
     if a.only == "meshformer":
         sides.pop("HF")
     elif a.only == "hf":
@@ -254,15 +298,19 @@ def main(argv=None) -> int:
 
     peak, src = (a.peak_flops, "--peak-flops") if a.peak_flops > 0 else measure_peak(autocast_dtype or torch.float32)
     fpt = flops_per_token(mc, n_params, n_emb)
-    print(f"\nthroughput ({a.steps} timed steps per side after {a.warmup} warm-up, alternating in rounds of "
-          f"{a.round}; {fpt / 1e6:.1f} MFLOP/token; peak {peak / 1e12:.3f} TFLOP/s, {src}):")
+    print(
+        f"\nthroughput ({a.steps} timed steps per side after {a.warmup} warm-up, alternating in rounds of "
+        f"{a.round}; {fpt / 1e6:.1f} MFLOP/token; peak {peak / 1e12:.3f} TFLOP/s, {src}):"
+    )
     med = {}
     for name in sides:
         ts = times[name]
         med[name] = tok_per_step / statistics.median(ts)
         mean = tok_per_step * len(ts) / sum(ts)
-        print(f"  {name:>10}: {med[name]:8.0f} tok/s median ({mean:.0f} mean; step {statistics.median(ts):.3f} s "
-              f"median, min {min(ts):.3f}, max {max(ts):.3f}), MFU {fpt * med[name] / peak:.1%}")
+        print(
+            f"  {name:>10}: {med[name]:8.0f} tok/s median ({mean:.0f} mean; step {statistics.median(ts):.3f} s "
+            f"median, min {min(ts):.3f}, max {max(ts):.3f}), MFU {fpt * med[name] / peak:.1%}"
+        )
     if len(sides) == 2:
         print(f"  ratio meshformer / HF: {med['meshformer'] / med['HF']:.3f}x (medians)")
 

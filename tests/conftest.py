@@ -26,13 +26,22 @@ def tiny_dataset(tmp_path_factory) -> Path:
 def tiny_overrides(dataset: Path, out: Path, extra: dict | None = None) -> list[str]:
     """Command-line style overrides for a ~60k-parameter model that trains in milliseconds per step."""
     base = {
-        "model.model_config.hidden_size": 32, "model.model_config.num_layers": 2, "model.model_config.num_heads": 4,
-        "model.model_config.n_kv_heads": 2, "model.model_config.intermediate_size": 64,
-        "model.model_config.vocab_size": 512, "model.model_config.seq_length": 32,
-        "train_dataset.data_loader.dataset_dir": str(dataset), "train_dataset.batch_size": 4,
-        "output_dir": str(out), "optimizer.learning_rate": 3e-3, "optimizer.warmup_steps": 3,
-        "monitor_config.peak_flops": 1e12, "monitor_config.progress_bar": "plain",
-        "callbacks": "[{type: MFLossMonitor, per_print_times: 100}, {type: CheckpointMonitor, save_checkpoint_steps: 1000}]",
+        "model.model_config.hidden_size": 32,
+        "model.model_config.num_layers": 2,
+        "model.model_config.num_heads": 4,
+        "model.model_config.n_kv_heads": 2,
+        "model.model_config.intermediate_size": 64,
+        "model.model_config.vocab_size": 512,
+        "model.model_config.seq_length": 32,
+        "train_dataset.data_loader.dataset_dir": str(dataset),
+        "train_dataset.batch_size": 4,
+        "output_dir": str(out),
+        "optimizer.learning_rate": 3e-3,
+        "optimizer.warmup_steps": 3,
+        "monitor_config.peak_flops": 1e12,
+        "monitor_config.progress_bar": "plain",
+        "callbacks": "[{type: MFLossMonitor, per_print_times: 100}, "
+        "{type: CheckpointMonitor, save_checkpoint_steps: 1000}]",
     }
     base.update(extra or {})
     args = []

@@ -25,11 +25,29 @@ def test_two_stage_parts_save_and_load_their_optimizer_states(tmp_path):
     from meshformer.parallel.pipeline import split_pipeline
     from meshformer.train.optim import Optimizers
 
-    cfg = load_config(None, ["--model.model_config.hidden_size", "16", "--model.model_config.num_layers", "4",
-                             "--model.model_config.num_heads", "2", "--model.model_config.vocab_size", "32",
-                             "--model.model_config.seq_length", "8", "--parallel_config.pipeline_stage", "2",
-                             "--parallel_config.micro_batch_num", "2", "--parallel_config.pipeline_schedule",
-                             "interleaved_1f1b", "--parallel_config.pp_interleave_num", "2"])
+    cfg = load_config(
+        None,
+        [
+            "--model.model_config.hidden_size",
+            "16",
+            "--model.model_config.num_layers",
+            "4",
+            "--model.model_config.num_heads",
+            "2",
+            "--model.model_config.vocab_size",
+            "32",
+            "--model.model_config.seq_length",
+            "8",
+            "--parallel_config.pipeline_stage",
+            "2",
+            "--parallel_config.micro_batch_num",
+            "2",
+            "--parallel_config.pipeline_schedule",
+            "interleaved_1f1b",
+            "--parallel_config.pp_interleave_num",
+            "2",
+        ],
+    )
 
     def stages():
         parts = [m for _, m in split_pipeline(build_model(cfg.model.model_config), cfg, 0)]
@@ -59,8 +77,9 @@ def test_overwrite_refuses_to_delete_the_checkpoint_it_loads(tiny_dataset, tmp_p
     out = tmp_path / "run"
     train(tiny_dataset, out, {"runner_config.stop_step": 2})
     with pytest.raises(UserError, match="inside output_dir"):
-        train(tiny_dataset, out, {"runner_config.stop_step": 2, "overwrite_output_dir": True,
-                                  "load_checkpoint": str(out)})
+        train(
+            tiny_dataset, out, {"runner_config.stop_step": 2, "overwrite_output_dir": True, "load_checkpoint": str(out)}
+        )
     assert (out / "checkpoint" / "step_00000002" / "trainer_state.json").is_file()
 
 
@@ -78,8 +97,11 @@ def test_resume_refuses_a_changed_data_position(tiny_dataset, tmp_path):
     out = tmp_path / "run"
     train(tiny_dataset, out, {"runner_config.stop_step": 2})
     with pytest.raises(UserError, match="seq_length=32 but this config gives 16"):
-        train(tiny_dataset, out, {"runner_config.stop_step": 4, "resume_training": True,
-                                  "model.model_config.seq_length": 16})
+        train(
+            tiny_dataset,
+            out,
+            {"runner_config.stop_step": 4, "resume_training": True, "model.model_config.seq_length": 16},
+        )
     with pytest.raises(UserError, match="global_batch=4 but this config gives 8"):
         train(tiny_dataset, out, {"runner_config.stop_step": 4, "resume_training": True, "train_dataset.batch_size": 8})
 
@@ -98,18 +120,36 @@ def test_checkpoint_that_does_not_fit_the_model_is_one_line(tiny_dataset, tmp_pa
     out = tmp_path / "run"
     train(tiny_dataset, out, {"runner_config.stop_step": 1})
     with pytest.raises(UserError, match="does not fit this model") as e:
-        train(tiny_dataset, tmp_path / "other", {"runner_config.stop_step": 1, "load_checkpoint": str(out),
-                                                 "model.model_config.hidden_size": 64})
+        train(
+            tiny_dataset,
+            tmp_path / "other",
+            {"runner_config.stop_step": 1, "load_checkpoint": str(out), "model.model_config.hidden_size": 64},
+        )
     assert "\n" not in str(e.value)
 
 
 def test_parameters_are_stored_in_param_init_type():
     from meshformer.models import create_model
 
-    cfg = load_config(None, ["--model.model_config.hidden_size", "16", "--model.model_config.num_layers", "1",
-                             "--model.model_config.num_heads", "2", "--model.model_config.vocab_size", "32",
-                             "--model.model_config.seq_length", "8", "--model.model_config.param_init_type", "bfloat16",
-                             "--model.model_config.compute_dtype", "bfloat16"])
+    cfg = load_config(
+        None,
+        [
+            "--model.model_config.hidden_size",
+            "16",
+            "--model.model_config.num_layers",
+            "1",
+            "--model.model_config.num_heads",
+            "2",
+            "--model.model_config.vocab_size",
+            "32",
+            "--model.model_config.seq_length",
+            "8",
+            "--model.model_config.param_init_type",
+            "bfloat16",
+            "--model.model_config.compute_dtype",
+            "bfloat16",
+        ],
+    )
     model = create_model(cfg.model.model_config, 0)
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
     assert model.rope.cos.dtype == torch.float32  # rotary tables keep rotary_dtype

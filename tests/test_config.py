@@ -39,7 +39,7 @@ optimizer:
   warmup_steps: 2000
 """
 
-REFERENCE = Path("/work/shared/reference/mindformers-configs")
+REFERENCE = Path(__file__).resolve().parents[2] / "shared" / "reference" / "mindformers-configs"  # ../shared
 
 
 def write(tmp_path: Path, text: str, name: str = "c.yaml") -> Path:
@@ -67,7 +67,12 @@ def test_seed_article_yaml_loads_exactly_as_written(tmp_path):
     assert cfg.run_mode == "train"
     assert (mc.type, mc.seq_length, mc.hidden_size, mc.num_layers, mc.num_heads) == ("LlamaConfig", 2048, 4096, 32, 32)
     dl = cfg.train_dataset.data_loader
-    assert (dl.type, dl.dataset_dir, dl.shuffle, cfg.train_dataset.batch_size) == ("MindDataset", "./data/train", True, 4)
+    assert (dl.type, dl.dataset_dir, dl.shuffle, cfg.train_dataset.batch_size) == (
+        "MindDataset",
+        "./data/train",
+        True,
+        4,
+    )
     pc = cfg.parallel_config
     assert (pc.data_parallel, pc.model_parallel, pc.pipeline_stage, pc.micro_batch_num) == (2, 2, 2, 8)
     assert cfg.optimizer.type == "AdamW" and cfg.optimizer.warmup_steps == 2000
@@ -79,7 +84,9 @@ def test_seed_article_yaml_loads_exactly_as_written(tmp_path):
 # Keys in real MindSpore configs that the schema rejects today (see the report to the lead).
 # Real files that use features meshformer does not have yet: they must fail with a clear one-line reason.
 UNSUPPORTED = {
-    "master__general__llm_pretrain_dense_template.yaml": "train_dataset.data_loader.type='BlendedMegatronDatasetDataLoader'",
+    "master__general__llm_pretrain_dense_template.yaml": (
+        "train_dataset.data_loader.type='BlendedMegatronDatasetDataLoader'"
+    ),
     "r1.5.0__llama2__lora_llama2_7b.yaml": "model.model_config.pet_config (LoRA) is not supported yet",
 }
 
@@ -111,10 +118,15 @@ def test_llama2_pretrain_reference_values_and_notices():
 
 
 def test_aliases_and_accepted_misspelling(tmp_path):
-    cfg = load_config(write(tmp_path, "model:\n  model_config:\n    rotary_emb_base: 500000\n"
-                                      "    softmax_compute_type: bfloat16\n"
-                                      "runner_config:\n  train_steps: 7\n"
-                                      "callbacks:\n  - type: CheckpointMointor\n    save_checkpoint_steps: 3\n"))
+    cfg = load_config(
+        write(
+            tmp_path,
+            "model:\n  model_config:\n    rotary_emb_base: 500000\n"
+            "    softmax_compute_type: bfloat16\n"
+            "runner_config:\n  train_steps: 7\n"
+            "callbacks:\n  - type: CheckpointMointor\n    save_checkpoint_steps: 3\n",
+        )
+    )
     assert cfg.model.model_config.theta == 500000.0
     assert cfg.model.model_config.softmax_compute_dtype == "bfloat16"
     assert cfg.runner_config.stop_step == 7
@@ -137,25 +149,31 @@ def test_unknown_key_did_you_mean_names_the_dotted_path(tmp_path):
     assert "callbacks.0.save_steps" in msg
 
 
-@pytest.mark.parametrize("yaml_text, field, words", [
-    ("model:\n  model_config:\n    seq_length: abc\n", "model.model_config.seq_length", "an integer"),
-    ("model:\n  model_config:\n    num_layers: true\n", "model.model_config.num_layers", "an integer"),
-    ("model:\n  model_config:\n    hidden_size: 64.5\n", "model.model_config.hidden_size", "an integer"),
-    ("optimizer:\n  learning_rate: fast\n", "optimizer.learning_rate", "a number"),
-    ("train_dataset:\n  data_loader:\n    shuffle: maybe\n", "train_dataset.data_loader.shuffle", "true/false"),
-    ("parallel_config: 4\n", "parallel_config", "section"),
-])
+@pytest.mark.parametrize(
+    "yaml_text, field, words",
+    [
+        ("model:\n  model_config:\n    seq_length: abc\n", "model.model_config.seq_length", "an integer"),
+        ("model:\n  model_config:\n    num_layers: true\n", "model.model_config.num_layers", "an integer"),
+        ("model:\n  model_config:\n    hidden_size: 64.5\n", "model.model_config.hidden_size", "an integer"),
+        ("optimizer:\n  learning_rate: fast\n", "optimizer.learning_rate", "a number"),
+        ("train_dataset:\n  data_loader:\n    shuffle: maybe\n", "train_dataset.data_loader.shuffle", "true/false"),
+        ("parallel_config: 4\n", "parallel_config", "section"),
+    ],
+)
 def test_wrong_type(tmp_path, yaml_text, field, words):
     msg = error(load_config, write(tmp_path, yaml_text))
     assert field in msg and words in msg
 
 
-@pytest.mark.parametrize("override, needle", [
-    (["--model.model_config.num_heads", "0"], "model.model_config.num_heads=0 is out of range: it must be > 0"),
-    (["--optimizer.beta2", "1.5"], "optimizer.beta2=1.5 is out of range: it must be <= 1"),
-    (["--seed", "-1"], "seed=-1 is out of range: it must be >= 0"),
-    (["--parallel_config.context_parallel", "2"], "parallel_config.context_parallel=2 is out of range"),
-])
+@pytest.mark.parametrize(
+    "override, needle",
+    [
+        (["--model.model_config.num_heads", "0"], "model.model_config.num_heads=0 is out of range: it must be > 0"),
+        (["--optimizer.beta2", "1.5"], "optimizer.beta2=1.5 is out of range: it must be <= 1"),
+        (["--seed", "-1"], "seed=-1 is out of range: it must be >= 0"),
+        (["--parallel_config.context_parallel", "2"], "parallel_config.context_parallel=2 is out of range"),
+    ],
+)
 def test_out_of_range(override, needle):
     assert needle in error(load_config, None, override)
 
@@ -187,22 +205,35 @@ def test_missing_file(tmp_path):
 
 def test_dotted_overrides(tmp_path):
     p = write(tmp_path, SEED_33)
-    cfg = load_config(p, ["--parallel_config.data_parallel", "1", "--optimizer.learning_rate=3e-4",
-                          "--train_dataset.data_loader.dataset_dir=/x=y", "--model.model_config.offset", "[-1, 1]"])
+    cfg = load_config(
+        p,
+        [
+            "--parallel_config.data_parallel",
+            "1",
+            "--optimizer.learning_rate=3e-4",
+            "--train_dataset.data_loader.dataset_dir=/x=y",
+            "--model.model_config.offset",
+            "[-1, 1]",
+        ],
+    )
     assert cfg.parallel_config.data_parallel == 1 and cfg.parallel_config.model_parallel == 2  # rest of the file kept
     assert cfg.optimizer.learning_rate == 3e-4  # YAML 1.1 reads 3e-4 as a string; still a float here
     assert cfg.train_dataset.data_loader.dataset_dir == "/x=y"  # only the first '=' splits
     assert stage_layer_counts(cfg) == [15, 17]
     # Overrides beat the file and are type-checked like it.
     assert "parallel_config.data_parallel must be an integer" in error(
-        load_config, p, ["--parallel_config.data_parallel", "two"])
+        load_config, p, ["--parallel_config.data_parallel", "two"]
+    )
 
 
 CALLBACK_OVERRIDES = ["--callbacks.CheckpointMonitor.save_checkpoint_steps", "5", "--callbacks.0.per_print_times", "3"]
 
 
 def test_callback_overrides_on_callbacks_from_the_file(tmp_path):
-    p = write(tmp_path, SEED_33 + "callbacks:\n  - type: MFLossMonitor\n  - type: CheckpointMonitor\n    keep_checkpoint_max: 2\n")
+    p = write(
+        tmp_path,
+        SEED_33 + "callbacks:\n  - type: MFLossMonitor\n  - type: CheckpointMonitor\n    keep_checkpoint_max: 2\n",
+    )
     cfg = load_config(p, CALLBACK_OVERRIDES)
     cb = {c.type: c for c in cfg.callbacks}
     assert cb["CheckpointMonitor"].save_checkpoint_steps == 5 and cb["CheckpointMonitor"].keep_checkpoint_max == 2
@@ -220,7 +251,9 @@ def test_bad_overrides():
     assert "has no value" in error(load_config, None, ["--seed"])
     assert "--section.field VALUE" in error(load_config, None, ["seed", "3"])
     assert "run_mode must be a string" in error(load_config, None, ["--run_mode.x", "1"])
-    assert "run_mode is a value, not a section" in error(load_config, None, ["--run_mode", "train", "--run_mode.x", "1"])
+    assert "run_mode is a value, not a section" in error(
+        load_config, None, ["--run_mode", "train", "--run_mode.x", "1"]
+    )
     msg = error(load_config, None, ["--callbacks.Nope.per_print_times", "1"])
     assert "'Nope'" in msg and "callbacks" in msg
 
@@ -247,8 +280,9 @@ def test_world_size_mismatch_lists_valid_alternatives():
     assert len(alts) >= 3
     for dp, mp, pp in alts:  # every suggestion must itself be a valid layout for 4 processes
         assert int(dp) * int(mp) * int(pp) == 4
-        validate_layout(layout(data_parallel=int(dp), model_parallel=int(mp), pipeline_stage=int(pp),
-                               micro_batch_num=8), 4)
+        validate_layout(
+            layout(data_parallel=int(dp), model_parallel=int(mp), pipeline_stage=int(pp), micro_batch_num=8), 4
+        )
 
 
 def test_model_parallel_not_dividing_heads_lists_valid_degrees():
@@ -273,8 +307,13 @@ def test_more_pipeline_stages_than_layers():
     msg = error(validate_layout, layout(num_layers=2, pipeline_stage=4, micro_batch_num=4), None)
     assert "pipeline_stage=4" in msg and "num_layers=2" in msg
     # Interleaved schedules count virtual stages: 2 ranks x 2 chunks = 4 stages > 3 layers.
-    msg = error(validate_layout, layout(num_layers=3, pipeline_stage=2, micro_batch_num=4,
-                                        pipeline_schedule="interleaved_1f1b", pp_interleave_num=2), None)
+    msg = error(
+        validate_layout,
+        layout(
+            num_layers=3, pipeline_stage=2, micro_batch_num=4, pipeline_schedule="interleaved_1f1b", pp_interleave_num=2
+        ),
+        None,
+    )
     assert "4 stages" in msg
 
 
@@ -287,9 +326,18 @@ def test_too_few_micro_batches_for_1f1b():
 
 def test_offsets():
     assert stage_layer_counts(layout(num_layers=10, pipeline_stage=4, micro_batch_num=4)) == [2, 2, 3, 3]
-    assert stage_layer_counts(layout(num_layers=10, pipeline_stage=4, micro_batch_num=4, offset=[1, 1, 0, 0])) == [3, 3, 2, 2]
-    for off, needle in (([1, 1, 0], "give 4 integers"), ([1, 0, 0, 0], "sum to num_layers=10"),
-                        ([3, 1, -2, 0], ">= 1"), (2, "use 0 (even split) or a list")):
+    assert stage_layer_counts(layout(num_layers=10, pipeline_stage=4, micro_batch_num=4, offset=[1, 1, 0, 0])) == [
+        3,
+        3,
+        2,
+        2,
+    ]
+    for off, needle in (
+        ([1, 1, 0], "give 4 integers"),
+        ([1, 0, 0, 0], "sum to num_layers=10"),
+        ([3, 1, -2, 0], ">= 1"),
+        (2, "use 0 (even split) or a list"),
+    ):
         msg = error(validate_layout, layout(num_layers=10, pipeline_stage=4, micro_batch_num=4, offset=off), None)
         assert "model.model_config.offset" in msg and needle in msg, msg
 
@@ -302,3 +350,47 @@ def test_override_replaces_a_field_the_file_spells_by_its_alias(tmp_path):
 
 def test_numeric_looking_strings_from_the_command_line_stay_strings():
     assert load_config(None, ["--output_dir", "2024"]).output_dir == "2024"
+
+
+@pytest.mark.parametrize(
+    "yaml_text, field, fix",
+    [
+        ("moe_config:\n  expert_num: 8\n", "moe_config", "remove moe_config or set expert_num: 1"),
+        ("moe_config:\n  expert_num: two\n", "moe_config", "Mixture-of-Experts"),
+        ("model:\n  model_config:\n    extend_method: NTK\n", "model.model_config.extend_method", "rope_scaling"),
+        (
+            "model:\n  model_config:\n    scaling_factor: 4.0\n",
+            "model.model_config.scaling_factor",
+            "scaling_factor: 1.0",
+        ),
+        ("model:\n  model_config:\n    rotary_pct: 0.5\n", "model.model_config.rotary_pct", "rotary_pct: 1.0"),
+        ("model:\n  model_config:\n    emb_dropout_prob: 0.1\n", "model.model_config.emb_dropout_prob", "0.0"),
+    ],
+)
+def test_mindspore_blocks_that_change_the_model_are_refused(tmp_path, yaml_text, field, fix):
+    msg = error(load_config, write(tmp_path, yaml_text))
+    assert msg.startswith(field + "=") and fix in msg and "\n" not in msg
+
+
+def test_mindspore_model_keys_at_their_neutral_values_are_accepted_with_a_notice(tmp_path):
+    notices: list[str] = []
+    load_config(
+        write(
+            tmp_path,
+            'moe_config:\n  expert_num: 1\nmodel:\n  model_config:\n    extend_method: "None"\n'
+            "    scaling_factor: 1.0\n    rotary_pct: 1.0\n    emb_dropout_prob: 0.0\n",
+        ),
+        notices=notices,
+    )
+    assert len(notices) == 5 and all("MindSpore-only" in n for n in notices)
+
+
+def test_derived_shapes_are_model_config_properties():
+    from meshformer.config.schema import ModelConfig
+
+    mc = ModelConfig(hidden_size=4096, num_heads=32)
+    assert (mc.num_kv_heads, mc.dim_per_head, mc.ffn_hidden_size) == (32, 128, 11008)  # Llama 2 7B
+    mc = ModelConfig(hidden_size=4096, num_heads=32, n_kv_heads=8, ffn_dim_multiplier=1.3, multiple_of=1024)
+    assert (mc.num_kv_heads, mc.ffn_hidden_size) == (8, 14336)  # Llama 3 8B
+    assert ModelConfig(hidden_size=64, num_heads=4, head_dim=32, intermediate_size=100).dim_per_head == 32
+    assert not {"num_kv_heads", "dim_per_head", "ffn_hidden_size"} & set(ModelConfig.__dataclass_fields__)

@@ -20,14 +20,56 @@ from meshformer.cli.main import main as cli_main
 from meshformer.data import dataset
 from meshformer.data.dataset import GlobalBatches, PackedDataset, SampleOrder
 from meshformer.data.preprocess import FORMAT, preprocess
-from meshformer.data.tokenizer import (SPECIAL_TOKENS, load_tokenizer, special_token_ids, tokenizer_hash,
-                                       train_tokenizer)
+from meshformer.data.tokenizer import SPECIAL_TOKENS, load_tokenizer, special_token_ids, tokenizer_hash, train_tokenizer
 from meshformer.errors import UserError
 
-WORDS = ("thou", "art", "king", "queen", "sword", "crown", "murder", "night", "morrow", "sweet", "ghost", "father",
-         "mother", "castle", "forest", "storm", "island", "letter", "poison", "dagger", "honest", "noble", "villain",
-         "fool", "madness", "lady", "lord", "speak", "swear", "weep", "laugh", "dream", "sleep", "wake", "love",
-         "hate", "blood", "heaven", "earth", "grave", "wherefore", "alas", "prithee", "marry", "forsooth")
+WORDS = (
+    "thou",
+    "art",
+    "king",
+    "queen",
+    "sword",
+    "crown",
+    "murder",
+    "night",
+    "morrow",
+    "sweet",
+    "ghost",
+    "father",
+    "mother",
+    "castle",
+    "forest",
+    "storm",
+    "island",
+    "letter",
+    "poison",
+    "dagger",
+    "honest",
+    "noble",
+    "villain",
+    "fool",
+    "madness",
+    "lady",
+    "lord",
+    "speak",
+    "swear",
+    "weep",
+    "laugh",
+    "dream",
+    "sleep",
+    "wake",
+    "love",
+    "hate",
+    "blood",
+    "heaven",
+    "earth",
+    "grave",
+    "wherefore",
+    "alas",
+    "prithee",
+    "marry",
+    "forsooth",
+)
 QUIET = dict(console=Console(file=io.StringIO()))
 
 
@@ -35,8 +77,10 @@ def make_docs(n: int, seed: int = 0) -> list[str]:
     rng = random.Random(seed)
     docs = []
     for i in range(n):
-        lines = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 12))).capitalize() + rng.choice(".!?,;")
-                 for _ in range(rng.randint(2, 6))]
+        lines = [
+            " ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 12))).capitalize() + rng.choice(".!?,;")
+            for _ in range(rng.randint(2, 6))
+        ]
         docs.append(f"ACT {i}\n" + "\n".join(lines) + "\n")
     return docs
 
@@ -72,6 +116,7 @@ def encode(tok: Tokenizer, text: str) -> list[int]:
 
 # ---------------------------------------------------------------- tokenizer
 
+
 def test_trained_tokenizer_vocab_specials_and_hash(tok_dir):
     tok = load_tokenizer(tok_dir)
     assert tok.get_vocab_size() == 400  # the corpus supports the full vocabulary asked for
@@ -82,11 +127,19 @@ def test_trained_tokenizer_vocab_specials_and_hash(tok_dir):
     assert load_tokenizer(f).to_str() == tok.to_str()
 
 
-@pytest.mark.parametrize("text", [
-    "Hello, world!", "  leading spaces and trailing  ", "tabs\tand\r\nCRLF\n\n\nblank lines", "",
-    "Ünïcödé ñ — “quotes” 中文字符 日本語 한국어 🎭🗡️👑 e\u0301 (combining)", "\x00\x01 control \x7f bytes",
-    "never seen: Zyzzyva quixotic 0123456789 {}[]<>", "<|endoftext|> literal <|im_start|> specials",
-])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "Hello, world!",
+        "  leading spaces and trailing  ",
+        "tabs\tand\r\nCRLF\n\n\nblank lines",
+        "",
+        "Ünïcödé ñ — “quotes” 中文字符 日本語 한국어 🎭🗡️👑 e\u0301 (combining)",
+        "\x00\x01 control \x7f bytes",
+        "never seen: Zyzzyva quixotic 0123456789 {}[]<>",
+        "<|endoftext|> literal <|im_start|> specials",
+    ],
+)
 def test_round_trip_any_text(tok_dir, text):
     tok = load_tokenizer(tok_dir)
     ids = encode(tok, text)
@@ -142,6 +195,7 @@ def test_special_token_ids_of_foreign_tokenizers(tmp_path):
 
 # ---------------------------------------------------------------- preprocess
 
+
 def read_docs(out: Path, split: str, eos: int) -> list[list[int]]:
     """Split a stream back into documents with the .idx.npy offsets, checking every one ends in EOS."""
     meta = json.loads((out / "meta.json").read_text())
@@ -168,7 +222,7 @@ def test_preprocess_document_split_matches_reference(tok_dir, tmp_path, monkeypa
     assert all(ref[tok.decode(d, skip_special_tokens=False)] == d for d in train + val)
     assert s["split_mode"] == "document" and 5 <= len(val) <= 40  # ~20 expected of 401
     # Input order inside a split is kept, and the split depends on content only, not on order.
-    assert decoded[:len(train)] == [d for d in docs if d in set(decoded[:len(train)])]
+    assert decoded[: len(train)] == [d for d in docs if d in set(decoded[: len(train)])]
     out2 = tmp_path / "ds2"
     preprocess([write_jsonl(tmp_path / "r.jsonl", docs[::-1])], tok_dir, out2, val_fraction=0.05, **QUIET)
     assert sorted(map(tuple, read_docs(out2, "validation", 0))) == sorted(map(tuple, val))
@@ -237,8 +291,12 @@ def test_bad_inputs_are_user_errors(tok_dir, tmp_path):
     assert preprocess([f], tok_dir, tmp_path / "o", text_field="body", val_fraction=0, **QUIET)["splits"]
     (tmp_path / "x.csv").write_text("a,b\n")
     (tmp_path / "empty.txt").write_text(" \n")
-    for inputs, msg in [([tmp_path / "x.csv"], "unsupported suffix"), ([tmp_path / "nope.txt"], "does not exist"),
-                        ([], "no input files"), ([tmp_path / "empty.txt"], "no text in")]:
+    for inputs, msg in [
+        ([tmp_path / "x.csv"], "unsupported suffix"),
+        ([tmp_path / "nope.txt"], "does not exist"),
+        ([], "no input files"),
+        ([tmp_path / "empty.txt"], "no text in"),
+    ]:
         with pytest.raises(UserError, match=msg):
             preprocess(inputs, tok_dir, tmp_path / "p", **QUIET)
     with pytest.raises(UserError, match="--val-fraction"):
@@ -285,30 +343,77 @@ def test_meta_and_tokenizer_hash_check(tok_dir, corpus, tmp_path):
 
 # ---------------------------------------------------------------- CLI
 
+
 def test_cli_in_process(corpus, tmp_path, capsys):
-    assert cli_main(["tokenizer", "train", "--input", *map(str, corpus), "--vocab-size", "300",
-                     "--output", str(tmp_path / "tok")]) == 0
-    assert cli_main(["preprocess", "--input", *map(str, corpus), "--tokenizer", str(tmp_path / "tok"),
-                     "--output", str(tmp_path / "ds"), "--val-fraction", "0.05"]) == 0
+    assert (
+        cli_main(
+            [
+                "tokenizer",
+                "train",
+                "--input",
+                *map(str, corpus),
+                "--vocab-size",
+                "300",
+                "--output",
+                str(tmp_path / "tok"),
+            ]
+        )
+        == 0
+    )
+    assert (
+        cli_main(
+            [
+                "preprocess",
+                "--input",
+                *map(str, corpus),
+                "--tokenizer",
+                str(tmp_path / "tok"),
+                "--output",
+                str(tmp_path / "ds"),
+                "--val-fraction",
+                "0.05",
+            ]
+        )
+        == 0
+    )
     assert json.loads((tmp_path / "ds" / "meta.json").read_text())["vocab_size"] == 300
     capsys.readouterr()
-    assert cli_main(["tokenizer", "train", "--input", str(corpus[0]), "--vocab-size", "300",
-                     "--output", str(tmp_path / "tok")]) == 2
+    assert (
+        cli_main(
+            ["tokenizer", "train", "--input", str(corpus[0]), "--vocab-size", "300", "--output", str(tmp_path / "tok")]
+        )
+        == 2
+    )
     assert "already holds a tokenizer.json" in capsys.readouterr().err
 
 
 def test_cli_subprocess_error_is_one_line(corpus, tok_dir, tmp_path):
     (tmp_path / "ds").mkdir()
     (tmp_path / "ds" / "x").write_text("keep me")
-    r = subprocess.run([sys.executable, "-m", "meshformer", "preprocess", "--input", str(corpus[0]),
-                        "--tokenizer", str(tok_dir), "--output", str(tmp_path / "ds")],
-                       capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "meshformer",
+            "preprocess",
+            "--input",
+            str(corpus[0]),
+            "--tokenizer",
+            str(tok_dir),
+            "--output",
+            str(tmp_path / "ds"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 2
     assert r.stderr.count("\n") == 1 and r.stderr.startswith("meshformer: error: --output=")
     assert "Traceback" not in r.stderr and (tmp_path / "ds" / "x").read_text() == "keep me"
 
 
 # ---------------------------------------------------------------- sample order (dataset.py)
+
 
 def test_sample_order_epoch_covers_every_sample_once():
     n, gb = 48, 8

@@ -8,8 +8,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_config_md_is_generated_from_the_schema():
-    assert (ROOT / "docs" / "config.md").read_text() == markdown(), \
+    assert (ROOT / "docs" / "config.md").read_text() == markdown(), (
         "docs/config.md is stale: run `.venv/bin/meshformer config explain --markdown > docs/config.md`"
+    )
 
 
 def test_every_field_has_a_one_line_doc():

@@ -17,8 +17,9 @@ VOCAB = 100
 
 @pytest.fixture(scope="module")
 def model():
-    mc = ModelConfig(hidden_size=64, num_layers=2, num_heads=4, n_kv_heads=2, vocab_size=VOCAB, seq_length=16,
-                     intermediate_size=96)
+    mc = ModelConfig(
+        hidden_size=64, num_layers=2, num_heads=4, n_kv_heads=2, vocab_size=VOCAB, seq_length=16, intermediate_size=96
+    )
     m = create_model(mc, 0)
     g = torch.Generator().manual_seed(1)
     with torch.no_grad():  # larger weights than init gives peaked, prompt-dependent distributions
@@ -33,7 +34,7 @@ def greedy_reference(model, prompt: list[int], n: int) -> list[int]:
     seq = list(prompt)
     for _ in range(n):
         seq.append(int(model(torch.tensor([seq]))[0, -1].argmax()))
-    return seq[len(prompt):]
+    return seq[len(prompt) :]
 
 
 PROMPT = [5, 17, 42, 3, 99]
@@ -51,7 +52,7 @@ def test_stops_at_eos_and_includes_it(model):
     ref = greedy_reference(model, PROMPT, 8)
     eos = ref[4]
     stop = ref.index(eos)
-    assert generate(model, PROMPT, 8, greedy=True, eos_id=eos) == ref[:stop + 1]
+    assert generate(model, PROMPT, 8, greedy=True, eos_id=eos) == ref[: stop + 1]
     assert generate(model, PROMPT, 0, greedy=True) == []
 
 
@@ -66,6 +67,7 @@ def test_tiny_top_p_sampling_equals_greedy(model):
 def test_sampling_is_reproducible_with_a_seeded_generator(model):
     def sample(seed):
         return generate(model, PROMPT, 10, temperature=2.0, generator=torch.Generator().manual_seed(seed))
+
     a, b, c = sample(123), sample(123), sample(124)
     assert a == b and len(a) == 10
     assert a != c  # 10 draws at T=2 from a 100-token vocabulary: equal by chance is negligible
@@ -79,8 +81,9 @@ def test_generate_restores_training_mode(model):
 
 
 def test_bad_arguments_raise():
-    m = create_model(ModelConfig(hidden_size=32, num_layers=1, num_heads=2, vocab_size=10, seq_length=8,
-                                 intermediate_size=32), 0)
+    m = create_model(
+        ModelConfig(hidden_size=32, num_layers=1, num_heads=2, vocab_size=10, seq_length=8, intermediate_size=32), 0
+    )
     for kw in ({"temperature": -1.0}, {"top_p": 1.5}, {"top_k": -2}):
         with pytest.raises(ValueError, match=next(iter(kw))):
             generate(m, [1, 2], 3, **kw)
@@ -96,15 +99,18 @@ PROBS = torch.tensor([0.05, 0.5, 0.1, 0.2, 0.15], dtype=torch.float64)
 LOGITS = PROBS.log()
 
 
-@pytest.mark.parametrize("p, kept", [
-    (0.0, {1}),            # always at least the most probable token
-    (0.4, {1}),            # 0.5 >= 0.4
-    (0.6, {1, 3}),         # 0.5 < 0.6, 0.5 + 0.2 = 0.7 >= 0.6
-    (0.8, {1, 3, 4}),      # 0.7 < 0.8, 0.85 >= 0.8
-    (0.9, {1, 3, 4, 2}),   # 0.85 < 0.9, 0.95 >= 0.9
-    (0.99, {0, 1, 2, 3, 4}),
-    (1.0, {0, 1, 2, 3, 4}),
-])
+@pytest.mark.parametrize(
+    "p, kept",
+    [
+        (0.0, {1}),  # always at least the most probable token
+        (0.4, {1}),  # 0.5 >= 0.4
+        (0.6, {1, 3}),  # 0.5 < 0.6, 0.5 + 0.2 = 0.7 >= 0.6
+        (0.8, {1, 3, 4}),  # 0.7 < 0.8, 0.85 >= 0.8
+        (0.9, {1, 3, 4, 2}),  # 0.85 < 0.9, 0.95 >= 0.9
+        (0.99, {0, 1, 2, 3, 4}),
+        (1.0, {0, 1, 2, 3, 4}),
+    ],
+)
 def test_top_p_filter_hand_computed(p, kept):
     out = top_p_filter(LOGITS, p)
     assert {i for i in range(5) if math.isfinite(out[i])} == kept
@@ -149,6 +155,7 @@ def _word_tokenizer():
     from tokenizers import Tokenizer
     from tokenizers.models import WordLevel
     from tokenizers.pre_tokenizers import Whitespace
+
     tok = Tokenizer(WordLevel({f"w{i}": i for i in range(VOCAB)}, unk_token="w0"))
     tok.pre_tokenizer = Whitespace()
     return tok
@@ -157,6 +164,7 @@ def _word_tokenizer():
 @pytest.fixture()
 def fake_checkpoint(model, tmp_path, monkeypatch):
     import meshformer.checkpoint as ckpt
+
     cfg = MeshformerConfig()
     cfg.model.model_config = model.config
     seen = []
@@ -165,15 +173,29 @@ def fake_checkpoint(model, tmp_path, monkeypatch):
         seen.append(path)
         assert device in (None, "cpu")
         return model, cfg, _word_tokenizer()
+
     monkeypatch.setattr(ckpt, "load_for_inference", load_for_inference, raising=False)
     return tmp_path, seen
 
 
 def test_cli_prints_prompt_and_greedy_completion(fake_checkpoint, model, capsys):
     from meshformer.cli.main import main
+
     path, seen = fake_checkpoint
-    rc = main(["generate", "--checkpoint", str(path), "--prompt", "w5 w17 w42 w3 w99", "--greedy",
-               "--max-new-tokens", "6", "--device", "cpu"])
+    rc = main(
+        [
+            "generate",
+            "--checkpoint",
+            str(path),
+            "--prompt",
+            "w5 w17 w42 w3 w99",
+            "--greedy",
+            "--max-new-tokens",
+            "6",
+            "--device",
+            "cpu",
+        ]
+    )
     assert rc == 0 and seen == [str(path)]
     out = capsys.readouterr().out.strip()
     want = greedy_reference(model, PROMPT, 6)
@@ -182,24 +204,44 @@ def test_cli_prints_prompt_and_greedy_completion(fake_checkpoint, model, capsys)
 
 def test_cli_seeded_sampling_is_reproducible(fake_checkpoint, capsys):
     from meshformer.cli.main import main
+
     path, _ = fake_checkpoint
-    argv = ["generate", "--checkpoint", str(path), "--prompt", "w1 w2", "--seed", "7", "--temperature", "2",
-            "--top-p", "0.9", "--top-k", "50", "--max-new-tokens", "8"]
+    argv = [
+        "generate",
+        "--checkpoint",
+        str(path),
+        "--prompt",
+        "w1 w2",
+        "--seed",
+        "7",
+        "--temperature",
+        "2",
+        "--top-p",
+        "0.9",
+        "--top-k",
+        "50",
+        "--max-new-tokens",
+        "8",
+    ]
     assert main(argv) == 0
     a = capsys.readouterr().out
     assert main(argv) == 0
     assert capsys.readouterr().out == a and len(a.split()) == 10
 
 
-@pytest.mark.parametrize("flags, needle", [
-    (["--top-p", "0"], "--top-p"),
-    (["--top-p", "1.5"], "--top-p"),
-    (["--temperature", "-1"], "--temperature"),
-    (["--top-k", "-1"], "--top-k"),
-    (["--max-new-tokens", "0"], "--max-new-tokens"),
-])
+@pytest.mark.parametrize(
+    "flags, needle",
+    [
+        (["--top-p", "0"], "--top-p"),
+        (["--top-p", "1.5"], "--top-p"),
+        (["--temperature", "-1"], "--temperature"),
+        (["--top-k", "-1"], "--top-k"),
+        (["--max-new-tokens", "0"], "--max-new-tokens"),
+    ],
+)
 def test_cli_bad_flags_exit_2_naming_the_flag(fake_checkpoint, capsys, flags, needle):
     from meshformer.cli.main import main
+
     path, seen = fake_checkpoint
     assert main(["generate", "--checkpoint", str(path), "--prompt", "w1"] + flags) == 2
     err = capsys.readouterr().err
@@ -209,6 +251,7 @@ def test_cli_bad_flags_exit_2_naming_the_flag(fake_checkpoint, capsys, flags, ne
 
 def test_cli_missing_checkpoint_and_bad_prompt(fake_checkpoint, tmp_path, capsys):
     from meshformer.cli.main import main
+
     path, _ = fake_checkpoint
     assert main(["generate", "--checkpoint", str(tmp_path / "nope"), "--prompt", "w1"]) == 2
     assert "--checkpoint" in capsys.readouterr().err
@@ -218,11 +261,13 @@ def test_cli_missing_checkpoint_and_bad_prompt(fake_checkpoint, tmp_path, capsys
 
 def test_cli_stops_at_the_tokenizers_eos(model, tmp_path, monkeypatch, capsys):
     # The config names no eos_token_id, so the tokenizer's own end-of-text token ("</s>") is used.
-    import meshformer.checkpoint as ckpt
-    from meshformer.cli.main import main
     from tokenizers import Tokenizer
     from tokenizers.models import WordLevel
     from tokenizers.pre_tokenizers import Whitespace
+
+    import meshformer.checkpoint as ckpt
+    from meshformer.cli.main import main
+
     ref = greedy_reference(model, PROMPT, 8)
     eos = ref[2]
     vocab = {("</s>" if i == eos else f"w{i}"): i for i in range(VOCAB)}
@@ -234,9 +279,11 @@ def test_cli_stops_at_the_tokenizers_eos(model, tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(ckpt, "load_for_inference", lambda path, device=None: (model, cfg, tok), raising=False)
     word = {i: w for w, i in vocab.items()}
     prompt = " ".join(word[t] for t in PROMPT)
-    assert main(["generate", "--checkpoint", str(tmp_path), "--prompt", prompt, "--greedy", "--max-new-tokens", "8"]) == 0
+    assert (
+        main(["generate", "--checkpoint", str(tmp_path), "--prompt", prompt, "--greedy", "--max-new-tokens", "8"]) == 0
+    )
     words = capsys.readouterr().out.split()
-    assert words == prompt.split() + [word[t] for t in ref[:ref.index(eos) + 1]]
+    assert words == prompt.split() + [word[t] for t in ref[: ref.index(eos) + 1]]
     assert len(words) < len(PROMPT) + 8  # it did stop early
 
 
@@ -244,17 +291,44 @@ def test_cli_end_to_end_with_a_saved_checkpoint(model, tmp_path, capsys):
     # A real checkpoint directory written by the checkpoint store, loaded by load_for_inference. The weights
     # were perturbed away from the seed's init, so a loader that ignored the file would give other tokens.
     import yaml
+
     from meshformer.checkpoint.store import save_checkpoint
     from meshformer.cli.main import main
     from meshformer.config import to_dict
+
     cfg = MeshformerConfig()
     cfg.model.model_config = model.config
-    extra = {"config.yaml": yaml.safe_dump(to_dict(cfg)).encode(), "tokenizer.json": _word_tokenizer().to_str().encode()}
-    save_checkpoint(tmp_path / "checkpoint" / "step_00000001", [model], [torch.optim.AdamW(model.parameters())],
-                    {"step": 1}, extra, True, lambda: None)
+    extra = {
+        "config.yaml": yaml.safe_dump(to_dict(cfg)).encode(),
+        "tokenizer.json": _word_tokenizer().to_str().encode(),
+    }
+    save_checkpoint(
+        tmp_path / "checkpoint" / "step_00000001",
+        [model],
+        [torch.optim.AdamW(model.parameters())],
+        {"step": 1},
+        extra,
+        True,
+        lambda: None,
+    )
     prompt = " ".join(f"w{t}" for t in PROMPT)
-    assert main(["generate", "--checkpoint", str(tmp_path), "--prompt", prompt, "--greedy", "--max-new-tokens", "5",
-                 "--device", "cpu"]) == 0
+    assert (
+        main(
+            [
+                "generate",
+                "--checkpoint",
+                str(tmp_path),
+                "--prompt",
+                prompt,
+                "--greedy",
+                "--max-new-tokens",
+                "5",
+                "--device",
+                "cpu",
+            ]
+        )
+        == 0
+    )
     want = generate(model, PROMPT, 5, greedy=True)
     assert capsys.readouterr().out.split() == prompt.split() + [f"w{t}" for t in want]
     assert generate(create_model(model.config, 0), PROMPT, 5, greedy=True) != want  # the file mattered

@@ -20,8 +20,9 @@ VOCAB = 100
 
 
 def tiny(**kw) -> ModelConfig:
-    base = dict(hidden_size=64, num_layers=2, num_heads=4, n_kv_heads=2, vocab_size=VOCAB, seq_length=16,
-                intermediate_size=96)
+    base = dict(
+        hidden_size=64, num_layers=2, num_heads=4, n_kv_heads=2, vocab_size=VOCAB, seq_length=16, intermediate_size=96
+    )
     base.update(kw)
     return ModelConfig(**base)
 
@@ -76,8 +77,10 @@ def test_rotary_matches_complex_pair_rotation():
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
     # The property rotary exists for: q(m) . k(n) depends only on m - n.
     q, k = torch.randn(d, dtype=torch.float64), torch.randn(d, dtype=torch.float64)
+
     def dot(m, n):
         return (apply_rotary(q, cos[m], sin[m]) * apply_rotary(k, cos[n], sin[n])).sum()
+
     torch.testing.assert_close(dot(7, 3), dot(5, 1))
     assert not torch.allclose(dot(7, 3), dot(7, 4))
 
@@ -86,12 +89,23 @@ def test_llama3_rope_scaling_matches_transformers():
     from transformers import LlamaConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    rs = RopeScalingConfig(type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                           original_max_position_embeddings=8192)
+    rs = RopeScalingConfig(
+        type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192
+    )
     mc = tiny(hidden_size=512, num_heads=4, n_kv_heads=4, theta=500000.0, rope_scaling=rs)
-    hc = LlamaConfig(hidden_size=512, num_attention_heads=4, max_position_embeddings=131072, rope_parameters={
-        "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
+    hc = LlamaConfig(
+        hidden_size=512,
+        num_attention_heads=4,
+        max_position_embeddings=131072,
+        rope_parameters={
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+    )
     want, attn_factor = ROPE_INIT_FUNCTIONS["llama3"](hc, "cpu")
     assert attn_factor == 1.0
     got = rope_inv_freq(mc)
@@ -152,22 +166,33 @@ def _hf_parity(mc: ModelConfig, hf_cls, hf_cfg):
 
 
 def _hf_common(mc: ModelConfig, **kw) -> dict:
-    return dict(vocab_size=VOCAB, hidden_size=mc.hidden_size, intermediate_size=mc.intermediate_size,
-                num_hidden_layers=mc.num_layers, num_attention_heads=mc.num_heads,
-                num_key_value_heads=mc.n_kv_heads, rms_norm_eps=mc.rms_norm_eps, rope_theta=mc.theta,
-                max_position_embeddings=mc.seq_length, tie_word_embeddings=mc.tie_word_embeddings,
-                attn_implementation="eager", **kw)
+    return dict(
+        vocab_size=VOCAB,
+        hidden_size=mc.hidden_size,
+        intermediate_size=mc.intermediate_size,
+        num_hidden_layers=mc.num_layers,
+        num_attention_heads=mc.num_heads,
+        num_key_value_heads=mc.n_kv_heads,
+        rms_norm_eps=mc.rms_norm_eps,
+        rope_theta=mc.theta,
+        max_position_embeddings=mc.seq_length,
+        tie_word_embeddings=mc.tie_word_embeddings,
+        attn_implementation="eager",
+        **kw,
+    )
 
 
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
 def test_llama_logits_match_transformers(tied):
     from transformers import LlamaConfig, LlamaForCausalLM
+
     mc = tiny(tie_word_embeddings=tied, theta=50000.0)
     _hf_parity(mc, LlamaForCausalLM, LlamaConfig(**_hf_common(mc)))
 
 
 def test_qwen2_qkv_bias_logits_match_transformers():
     from transformers import Qwen2Config, Qwen2ForCausalLM
+
     mc = tiny(type="Qwen2Config", qkv_has_bias=True, theta=1e6, rms_norm_eps=1e-6)
     assert create_model(mc, 0).layers["0"].self_attn.q_proj.bias is not None
     _hf_parity(mc, Qwen2ForCausalLM, Qwen2Config(**_hf_common(mc)))
@@ -175,6 +200,7 @@ def test_qwen2_qkv_bias_logits_match_transformers():
 
 def test_qwen3_qk_norm_logits_match_transformers():
     from transformers import Qwen3Config, Qwen3ForCausalLM
+
     # head_dim 32 != hidden/heads = 16, as in real Qwen3 models.
     mc = tiny(type="Qwen3Config", use_qk_norm=True, head_dim=32, theta=1e6, rms_norm_eps=1e-6)
     _hf_parity(mc, Qwen3ForCausalLM, Qwen3Config(**_hf_common(mc, head_dim=32)))
@@ -261,5 +287,5 @@ def test_kv_cache_decoding_past_seq_length():
     long.load_state_dict(short.state_dict(), strict=True)
     x = tokens(1, 14)
     cache = short.new_kv_cache(1, 14)
-    steps = [short(x[:, :6], cache)] + [short(x[:, i:i + 1], cache) for i in range(6, 14)]
+    steps = [short(x[:, :6], cache)] + [short(x[:, i : i + 1], cache) for i in range(6, 14)]
     torch.testing.assert_close(torch.cat(steps, 1), long(x), rtol=1e-5, atol=1e-5)

@@ -11,9 +11,20 @@ from meshformer.config import load_config
 from meshformer.models import create_model
 from meshformer.train.optim import Schedule, build_optimizer, lr_at, param_groups
 
-TINY = ["--model.model_config.hidden_size", "16", "--model.model_config.num_layers", "3",
-        "--model.model_config.num_heads", "2", "--model.model_config.vocab_size", "32",
-        "--model.model_config.seq_length", "8", "--model.model_config.qkv_has_bias", "true"]
+TINY = [
+    "--model.model_config.hidden_size",
+    "16",
+    "--model.model_config.num_layers",
+    "3",
+    "--model.model_config.num_heads",
+    "2",
+    "--model.model_config.vocab_size",
+    "32",
+    "--model.model_config.seq_length",
+    "8",
+    "--model.model_config.qkv_has_bias",
+    "true",
+]
 
 
 def test_warmup_is_linear_and_reaches_peak():
@@ -66,8 +77,8 @@ def test_layer_decay_scales_lower_layers_down():
     by_param = {id(p): g["lr_scale"] for g in opt.param_groups for p in g["params"]}
     scale = {n: by_param[id(p)] for n, p in model.named_parameters()}
     # L=3: embedding depth 0 -> 0.5^4, layer i -> 0.5^(3-i), head/final norm -> 1
-    assert scale["embed_tokens.weight"] == 0.5 ** 4
-    assert [scale[f"layers.{i}.mlp.up_proj.weight"] for i in range(3)] == [0.5 ** 3, 0.5 ** 2, 0.5]
+    assert scale["embed_tokens.weight"] == 0.5**4
+    assert [scale[f"layers.{i}.mlp.up_proj.weight"] for i in range(3)] == [0.5**3, 0.5**2, 0.5]
     assert scale["norm.weight"] == 1.0
     Schedule(opt, cfg, 10).apply(5)
     for g in opt.param_groups:

@@ -31,12 +31,43 @@ FP32_RTOL = 1e-5
 # 1e-2 (about 2.5 bf16 roundings) for the grad norm, both against the bf16 and the fp32 single process.
 BF16_RTOL = {"loss": 1e-3, "grad_norm": 1e-2}
 
-WORLD2 = ["dp2", "dp2_accum", "dp2_rc_accum", "tp2", "tp2_sp_accum", "tp2_sp_rc", "fsdp2", "fsdp2_zero3_rc_accum",
-          *[c for c in harness.CASES if c.startswith("pp2_")],
-          "tp2_sp_accum:tied", "fsdp2:bf16", "tp2:bf16", "pp2_1f1b:bf16"]
-WORLD4 = ["dp4", "dp4_rc_accum", "tp4_sp", "tp4_rc_accum", "fsdp4_accum", "fsdp4_rc", "hsdp2x2_rc", "hsdp2x2_accum",
-          "dp2xtp2", "dp2xtp2_rc", "fsdp2xtp2_sp_rc", "tp2xpp2_sp", "tp2xpp2_rc_accum", "dp2xpp2", "dp2xpp2_rc",
-          "fsdp2xpp2", "dp2xtp2:tied", "fsdp2xtp2_sp_rc:bf16"]
+WORLD2 = [
+    "dp2",
+    "dp2_accum",
+    "dp2_rc_accum",
+    "tp2",
+    "tp2_sp_accum",
+    "tp2_sp_rc",
+    "fsdp2",
+    "fsdp2_zero3_rc_accum",
+    *[c for c in harness.CASES if c.startswith("pp2_")],
+    "tp2_sp_accum:tied",
+    "tp2_sp_accum:wrapped",
+    "fsdp2:bf16",
+    "tp2:bf16",
+    "pp2_1f1b:bf16",
+]
+WORLD4 = [
+    "dp4",
+    "dp4_rc_accum",
+    "tp4_sp",
+    "tp4_rc_accum",
+    "fsdp4_accum",
+    "fsdp4_rc",
+    "hsdp2x2_rc",
+    "hsdp2x2_accum",
+    "dp2xtp2",
+    "dp2xtp2_rc",
+    "fsdp2xtp2_sp_rc",
+    "tp2xpp2_sp",
+    "tp2xpp2_rc_accum",
+    "dp2xpp2",
+    "dp2xpp2_rc",
+    "fsdp2xpp2",
+    "dp2xtp2:tied",
+    "dp2xtp2:wrapped",
+    "fsdp2xtp2_sp_rc:bf16",
+]
 WORLD8 = ["dp2xtp2xpp2", "dp2xtp2xpp2_rc_accum", "fsdp2xtp2xpp2_sp_rc"]
 TWO_NODES = ["dp2xtp2", "fsdp2xpp2", "hsdp2x2_rc"]
 
@@ -116,11 +147,27 @@ def test_two_nodes_on_one_machine_match_single_node(results4, tmp_path):
     port, out = _free_port(), tmp_path / "r.json"
     procs = []
     for node in range(2):
-        cmd = [*TORCHRUN, "--nnodes", "2", "--node-rank", str(node), "--nproc-per-node", "2",
-               "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "mf-two-nodes",
-               str(DIST / "parity_worker.py"), str(out), *TWO_NODES]
-        procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env(),
-                                      cwd=ROOT))
+        cmd = [
+            *TORCHRUN,
+            "--nnodes",
+            "2",
+            "--node-rank",
+            str(node),
+            "--nproc-per-node",
+            "2",
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            f"127.0.0.1:{port}",
+            "--rdzv-id",
+            "mf-two-nodes",
+            str(DIST / "parity_worker.py"),
+            str(out),
+            *TWO_NODES,
+        ]
+        procs.append(
+            subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env(), cwd=ROOT)
+        )
     logs = [p.communicate(timeout=400)[0] for p in procs]
     assert all(p.returncode == 0 for p in procs), "\n".join(log[-3000:] for log in logs)
     two_nodes = json.loads(out.read_text())
@@ -131,6 +178,7 @@ def test_two_nodes_on_one_machine_match_single_node(results4, tmp_path):
 
 
 # ---- layout errors: one line, before any process group work -------------------------------------------------
+
 
 def test_bad_products_list_valid_alternatives():
     from meshformer.errors import UserError
@@ -150,8 +198,13 @@ def test_tied_embeddings_with_pipeline_is_rejected_before_process_group():
     from meshformer.errors import UserError
     from meshformer.parallel import init_parallel
 
-    cfg = harness.make_cfg({"model.model_config.tie_word_embeddings": True, "parallel_config.pipeline_stage": 2,
-                            "parallel_config.micro_batch_num": 2})
+    cfg = harness.make_cfg(
+        {
+            "model.model_config.tie_word_embeddings": True,
+            "parallel_config.pipeline_stage": 2,
+            "parallel_config.micro_batch_num": 2,
+        }
+    )
     with pytest.raises(UserError, match="tie_word_embeddings.*pipeline_stage=2.*tie_word_embeddings: false"):
         init_parallel(cfg, world_size=2)
     assert not dist.is_initialized()
@@ -161,36 +214,87 @@ def test_launch_rejects_wrong_process_count_without_starting(tmp_path):
     cfg = tmp_path / "c.yaml"
     cfg.write_text("parallel_config:\n  data_parallel: 2\n  model_parallel: 2\n")
     t = time.time()
-    p = subprocess.run([sys.executable, "-m", "meshformer", "launch", "--nproc", "2", str(cfg)],
-                       capture_output=True, text=True, env=_env(), timeout=120)
+    p = subprocess.run(
+        [sys.executable, "-m", "meshformer", "launch", "--nproc", "2", str(cfg)],
+        capture_output=True,
+        text=True,
+        env=_env(),
+        timeout=120,
+    )
     assert p.returncode == 2, p.stderr
     lines = p.stderr.strip().splitlines()
     assert len(lines) == 1 and "but 2 processes were started" in lines[0] and "dp2xmp1xpp1" in lines[0], p.stderr
     assert time.time() - t < 60
-    p = subprocess.run([sys.executable, "-m", "meshformer", "launch", "--nproc", "4", "--print-command", str(cfg),
-                        "--runner_config.stop_step", "3"], capture_output=True, text=True, env=_env(), timeout=120)
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "meshformer",
+            "launch",
+            "--nproc",
+            "4",
+            "--print-command",
+            str(cfg),
+            "--runner_config.stop_step",
+            "3",
+        ],
+        capture_output=True,
+        text=True,
+        env=_env(),
+        timeout=120,
+    )
     assert p.returncode == 0 and "torch.distributed.run --nproc-per-node 4 --standalone -m meshformer train" in p.stdout
 
 
 def test_torchrun_with_bad_layout_exits_2_on_every_rank(tmp_path):
     cfg = tmp_path / "c.yaml"
     cfg.write_text("parallel_config:\n  data_parallel: 4\n")
-    p = subprocess.run([*TORCHRUN, "--standalone", "--nproc-per-node", "2", "-m", "meshformer", "train", str(cfg)],
-                       capture_output=True, text=True, env=_env(), timeout=180, cwd=tmp_path)
+    p = subprocess.run(
+        [*TORCHRUN, "--standalone", "--nproc-per-node", "2", "-m", "meshformer", "train", str(cfg)],
+        capture_output=True,
+        text=True,
+        env=_env(),
+        timeout=180,
+        cwd=tmp_path,
+    )
     assert p.returncode != 0
     # Only init_parallel knows the world size: it must fail there, before creating the process group.
-    assert p.stderr.count("meshformer: error: parallel_config: data_parallel x model_parallel x pipeline_stage "
-                          "= 4x1x1 = 4 but 2 processes were started") == 2, p.stderr[-3000:]
+    assert (
+        p.stderr.count(
+            "meshformer: error: parallel_config: data_parallel x model_parallel x pipeline_stage "
+            "= 4x1x1 = 4 but 2 processes were started"
+        )
+        == 2
+    ), p.stderr[-3000:]
 
 
 # ---- selfcheck -----------------------------------------------------------------------------------------------
 
+
 def test_selfcheck_reports_ranks_mesh_and_collectives(tmp_path):
     cfg = tmp_path / "c.yaml"
-    cfg.write_text("parallel_config:\n  data_parallel: 1\n  pipeline_stage: 2\n  micro_batch_num: 2\n"
-                   "model:\n  model_config:\n    num_layers: 2\n    hidden_size: 64\n    num_heads: 4\n")
-    p = subprocess.run([*TORCHRUN, "--standalone", "--nproc-per-node", "2", "-m", "meshformer", "selfcheck", str(cfg),
-                        "--timeout", "30"], capture_output=True, text=True, env=_env(), timeout=180)
+    cfg.write_text(
+        "parallel_config:\n  data_parallel: 1\n  pipeline_stage: 2\n  micro_batch_num: 2\n"
+        "model:\n  model_config:\n    num_layers: 2\n    hidden_size: 64\n    num_heads: 4\n"
+    )
+    p = subprocess.run(
+        [
+            *TORCHRUN,
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "-m",
+            "meshformer",
+            "selfcheck",
+            str(cfg),
+            "--timeout",
+            "30",
+        ],
+        capture_output=True,
+        text=True,
+        env=_env(),
+        timeout=180,
+    )
     assert p.returncode == 0, p.stdout + p.stderr[-3000:]
     for r in range(2):
         assert f"[rank {r}] selfcheck passed" in p.stdout
@@ -201,26 +305,38 @@ def test_selfcheck_reports_ranks_mesh_and_collectives(tmp_path):
 
 # ---- the pipeline split itself -------------------------------------------------------------------------------
 
+
 def test_pipeline_split_keeps_global_names_and_offsets():
     from meshformer.models.init import build_model
     from meshformer.parallel.pipeline import split_pipeline, stage_ids
 
-    cfg = harness.make_cfg({"parallel_config.pipeline_stage": 2, "parallel_config.micro_batch_num": 2,
-                            "model.model_config.offset": [1, -1]})
+    cfg = harness.make_cfg(
+        {
+            "parallel_config.pipeline_stage": 2,
+            "parallel_config.micro_batch_num": 2,
+            "model.model_config.offset": [1, -1],
+        }
+    )
     model = build_model(cfg.model.model_config)
-    (s0, first), = split_pipeline(model, cfg, 0)
-    (s1, last), = split_pipeline(model, cfg, 1)
+    ((s0, first),) = split_pipeline(model, cfg, 0)
+    ((s1, last),) = split_pipeline(model, cfg, 1)
     assert (s0, s1) == (0, 1) and list(first.layers) == ["0", "1", "2"] and list(last.layers) == ["3"]
     assert first.embed_tokens is not None and first.lm_head is None and first.norm is None
     assert last.embed_tokens is None and last.lm_head is not None
     names = {n for part in (first, last) for n, _ in part.named_parameters()}
     assert names == {n for n, _ in model.named_parameters()}
-    v = harness.make_cfg({"parallel_config.pipeline_stage": 2, "parallel_config.micro_batch_num": 2,
-                          "parallel_config.pipeline_schedule": "zbv_zero_bubble"})
+    v = harness.make_cfg(
+        {
+            "parallel_config.pipeline_stage": 2,
+            "parallel_config.micro_batch_num": 2,
+            "parallel_config.pipeline_schedule": "zbv_zero_bubble",
+        }
+    )
     assert stage_ids(v, 0) == [0, 3] and stage_ids(v, 1) == [1, 2]
 
 
 # ---- the real CLI: `meshformer train` metrics.jsonl under torchrun equals the single process -------------------
+
 
 def _metrics(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -239,45 +355,106 @@ def test_cli_train_under_torchrun_matches_single_process(tiny_dataset, tmp_path)
     checkpoint then resumes in one process and continues exactly like the uninterrupted single-process run."""
     from conftest import tiny_overrides
 
-    common = {"do_eval": "true", "eval_config.eval_iters": 2, "eval_config.eval_interval": 5,
-              "train_dataset.batch_size": 2, "lr_schedule.total_steps": 8, "runner_config.stop_step": 5,
-              "model.model_config.num_layers": 4}
-    single = tiny_overrides(tiny_dataset, tmp_path / "one", {**common, "runner_config.gradient_accumulation_steps": 4,
-                                                             "runner_config.stop_step": 8})
-    p = subprocess.run([sys.executable, "-m", "meshformer", "train", str(_empty_yaml(tmp_path)), *single],
-                       capture_output=True, text=True, env=_env(), timeout=300)
+    common = {
+        "do_eval": "true",
+        "eval_config.eval_iters": 2,
+        "eval_config.eval_interval": 5,
+        "train_dataset.batch_size": 2,
+        "lr_schedule.total_steps": 8,
+        "runner_config.stop_step": 5,
+        "model.model_config.num_layers": 4,
+    }
+    single = tiny_overrides(
+        tiny_dataset,
+        tmp_path / "one",
+        {**common, "runner_config.gradient_accumulation_steps": 4, "runner_config.stop_step": 8},
+    )
+    p = subprocess.run(
+        [sys.executable, "-m", "meshformer", "train", str(_empty_yaml(tmp_path)), *single],
+        capture_output=True,
+        text=True,
+        env=_env(),
+        timeout=300,
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     ref = _metrics(tmp_path / "one")
     assert len(ref) == 8 and "eval_loss" in ref[4] and "eval_loss" in ref[7]
 
     # pp2, interleaved 1F1B (two stages per rank, so two optimizers per rank in the checkpoint), 4 micro-batches,
     # through `meshformer launch`.
-    pp = tiny_overrides(tiny_dataset, tmp_path / "pp", {**common, "parallel_config.pipeline_stage": 2,
-                                                        "parallel_config.micro_batch_num": 4,
-                                                        "parallel_config.pipeline_schedule": "interleaved_1f1b",
-                                                        "parallel_config.pp_interleave_num": 2})
-    p = subprocess.run([sys.executable, "-m", "meshformer", "launch", "--nproc", "2", str(_empty_yaml(tmp_path)), *pp],
-                       capture_output=True, text=True, env=_env(), timeout=300)
+    pp = tiny_overrides(
+        tiny_dataset,
+        tmp_path / "pp",
+        {
+            **common,
+            "parallel_config.pipeline_stage": 2,
+            "parallel_config.micro_batch_num": 4,
+            "parallel_config.pipeline_schedule": "interleaved_1f1b",
+            "parallel_config.pp_interleave_num": 2,
+        },
+    )
+    p = subprocess.run(
+        [sys.executable, "-m", "meshformer", "launch", "--nproc", "2", str(_empty_yaml(tmp_path)), *pp],
+        capture_output=True,
+        text=True,
+        env=_env(),
+        timeout=300,
+    )
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
     _compare_metrics(_metrics(tmp_path / "pp"), ref[:5])
     assert (tmp_path / "pp" / "checkpoint" / "step_00000005" / "trainer_state.json").is_file()
 
     # FSDP x TP with sequence parallel and accumulation, 4 processes, plain torchrun.
-    ft = tiny_overrides(tiny_dataset, tmp_path / "ft", {**common, "parallel_config.data_parallel": 2,
-                                                        "parallel_config.model_parallel": 2,
-                                                        "parallel_config.optimizer_shard": "true",
-                                                        "parallel_config.use_seq_parallel": "true",
-                                                        "runner_config.gradient_accumulation_steps": 2})
-    p = subprocess.run([*TORCHRUN, "--standalone", "--nproc-per-node", "4", "-m", "meshformer", "train",
-                        str(_empty_yaml(tmp_path)), *ft], capture_output=True, text=True, env=_env(), timeout=400)
+    ft = tiny_overrides(
+        tiny_dataset,
+        tmp_path / "ft",
+        {
+            **common,
+            "parallel_config.data_parallel": 2,
+            "parallel_config.model_parallel": 2,
+            "parallel_config.optimizer_shard": "true",
+            "parallel_config.use_seq_parallel": "true",
+            "runner_config.gradient_accumulation_steps": 2,
+        },
+    )
+    p = subprocess.run(
+        [
+            *TORCHRUN,
+            "--standalone",
+            "--nproc-per-node",
+            "4",
+            "-m",
+            "meshformer",
+            "train",
+            str(_empty_yaml(tmp_path)),
+            *ft,
+        ],
+        capture_output=True,
+        text=True,
+        env=_env(),
+        timeout=400,
+    )
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
     _compare_metrics(_metrics(tmp_path / "ft"), ref[:5])
 
     # Resume the 4-process FSDP x TP checkpoint (step 5) in one process: DCP reshards weights and optimizer.
-    resumed = tiny_overrides(tiny_dataset, tmp_path / "ft", {**common, "runner_config.gradient_accumulation_steps": 4,
-                                                             "runner_config.stop_step": 8, "resume_training": "true"})
-    p = subprocess.run([sys.executable, "-m", "meshformer", "train", str(_empty_yaml(tmp_path)), *resumed],
-                       capture_output=True, text=True, env=_env(), timeout=300)
+    resumed = tiny_overrides(
+        tiny_dataset,
+        tmp_path / "ft",
+        {
+            **common,
+            "runner_config.gradient_accumulation_steps": 4,
+            "runner_config.stop_step": 8,
+            "resume_training": "true",
+        },
+    )
+    p = subprocess.run(
+        [sys.executable, "-m", "meshformer", "train", str(_empty_yaml(tmp_path)), *resumed],
+        capture_output=True,
+        text=True,
+        env=_env(),
+        timeout=300,
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     assert "resumed from" in p.stdout and "step_00000005" in p.stdout
     _compare_metrics(_metrics(tmp_path / "ft"), ref)
@@ -291,8 +468,14 @@ def _empty_yaml(tmp_path: Path) -> Path:
 
 def test_dead_rank_fails_fast_and_is_named(tmp_path):
     t = time.time()
-    p = subprocess.run([*TORCHRUN, "--standalone", "--nproc-per-node", "2", str(DIST / "dead_rank.py")],
-                       capture_output=True, text=True, env=_env(), timeout=120, cwd=ROOT)
+    p = subprocess.run(
+        [*TORCHRUN, "--standalone", "--nproc-per-node", "2", str(DIST / "dead_rank.py")],
+        capture_output=True,
+        text=True,
+        env=_env(),
+        timeout=120,
+        cwd=ROOT,
+    )
     out = p.stdout + p.stderr
     assert p.returncode != 0 and "rank 0 was not stopped" not in out
     root = out.split("Root Cause", 1)[-1]

@@ -25,8 +25,11 @@ def train(dataset, out, extra=None):
 
 
 def test_thirty_steps_loss_falls_and_metrics_are_complete(tiny_dataset, tmp_path):
-    recs = train(tiny_dataset, tmp_path / "run", {"runner_config.stop_step": 30, "eval_config.eval_interval": 10,
-                                                  "eval_config.eval_iters": 2})
+    recs = train(
+        tiny_dataset,
+        tmp_path / "run",
+        {"runner_config.stop_step": 30, "eval_config.eval_interval": 10, "eval_config.eval_iters": 2},
+    )
     assert [r["step"] for r in recs] == list(range(1, 31))
     for key in ("loss", "lr", "grad_norm", "tokens_per_s", "samples_per_s", "mfu", "peak_mem_bytes"):
         assert all(key in r for r in recs), key
@@ -42,7 +45,7 @@ def test_resume_equals_uninterrupted_run_exactly(tiny_dataset, tmp_path):
     common = {"lr_schedule.total_steps": 10, "callbacks": "[{type: CheckpointMonitor, save_checkpoint_steps: 4}]"}
     full = train(tiny_dataset, tmp_path / "full", {**common, "runner_config.stop_step": 10})
     part = tmp_path / "part"
-    train(tiny_dataset, part, {**common, "runner_config.stop_step": 6})   # checkpoints at 4 and 6 (the end)
+    train(tiny_dataset, part, {**common, "runner_config.stop_step": 6})  # checkpoints at 4 and 6 (the end)
     resumed = train(tiny_dataset, part, {**common, "runner_config.stop_step": 10, "resume_training": True})
     assert [r["step"] for r in resumed] == list(range(1, 11))
     for a, b in zip(full, resumed):
@@ -51,8 +54,11 @@ def test_resume_equals_uninterrupted_run_exactly(tiny_dataset, tmp_path):
 
 def test_gradient_accumulation_matches_larger_batch(tiny_dataset, tmp_path):
     big = train(tiny_dataset, tmp_path / "big", {"runner_config.stop_step": 4, "train_dataset.batch_size": 4})
-    acc = train(tiny_dataset, tmp_path / "acc", {"runner_config.stop_step": 4, "train_dataset.batch_size": 2,
-                                                 "runner_config.gradient_accumulation_steps": 2})
+    acc = train(
+        tiny_dataset,
+        tmp_path / "acc",
+        {"runner_config.stop_step": 4, "train_dataset.batch_size": 2, "runner_config.gradient_accumulation_steps": 2},
+    )
     for a, b in zip(big, acc):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5)
@@ -70,8 +76,9 @@ def test_fresh_run_refuses_to_overwrite_existing_output(tiny_dataset, tmp_path):
 
 def test_bf16_compute_trains_close_to_fp32(tiny_dataset, tmp_path):
     fp32 = train(tiny_dataset, tmp_path / "fp32", {"runner_config.stop_step": 3})
-    bf16 = train(tiny_dataset, tmp_path / "bf16", {"runner_config.stop_step": 3,
-                                                    "model.model_config.compute_dtype": "bfloat16"})
+    bf16 = train(
+        tiny_dataset, tmp_path / "bf16", {"runner_config.stop_step": 3, "model.model_config.compute_dtype": "bfloat16"}
+    )
     # bf16 keeps ~3 significant digits; after 3 steps of a 6.2-nat loss the runs agree to about 1e-2.
     for a, b in zip(fp32, bf16):
         assert abs(a["loss"] - b["loss"]) < 2e-2 * a["loss"]
@@ -81,8 +88,11 @@ def test_bf16_compute_trains_close_to_fp32(tiny_dataset, tmp_path):
 def test_cli_bad_dataset_dir_is_one_line_exit_2(tmp_path):
     cfg = tmp_path / "c.yaml"
     cfg.write_text("run_mode: train\ntrain_dataset:\n  data_loader:\n    dataset_dir: %s\n" % (tmp_path / "nope"))
-    r = subprocess.run([sys.executable, "-m", "meshformer", "train", str(cfg), "--output_dir", str(tmp_path / "o")],
-                       capture_output=True, text=True)
+    r = subprocess.run(
+        [sys.executable, "-m", "meshformer", "train", str(cfg), "--output_dir", str(tmp_path / "o")],
+        capture_output=True,
+        text=True,
+    )
     assert r.returncode == 2
     assert r.stderr.count("\n") == 1 and "dataset_dir" in r.stderr and "Traceback" not in r.stderr
 
@@ -91,12 +101,32 @@ def test_seed_section_33_yaml_trains_with_only_size_layout_warmup_steps_overridd
     """The seed's skeleton, saved as written, with the README's overrides (data, size, degrees, warm-up, steps)."""
     from conftest import ROOT
 
-    overrides = ["--train_dataset.data_loader.dataset_dir", str(tiny_dataset),
-                 "--model.model_config.hidden_size", "32", "--model.model_config.num_layers", "2",
-                 "--model.model_config.num_heads", "4", "--model.model_config.seq_length", "32",
-                 "--model.model_config.vocab_size", "512", "--parallel_config.data_parallel", "1",
-                 "--parallel_config.model_parallel", "1", "--parallel_config.pipeline_stage", "1",
-                 "--optimizer.warmup_steps", "2", "--runner_config.stop_step", "4", "--output_dir", str(tmp_path / "o")]
+    overrides = [
+        "--train_dataset.data_loader.dataset_dir",
+        str(tiny_dataset),
+        "--model.model_config.hidden_size",
+        "32",
+        "--model.model_config.num_layers",
+        "2",
+        "--model.model_config.num_heads",
+        "4",
+        "--model.model_config.seq_length",
+        "32",
+        "--model.model_config.vocab_size",
+        "512",
+        "--parallel_config.data_parallel",
+        "1",
+        "--parallel_config.model_parallel",
+        "1",
+        "--parallel_config.pipeline_stage",
+        "1",
+        "--optimizer.warmup_steps",
+        "2",
+        "--runner_config.stop_step",
+        "4",
+        "--output_dir",
+        str(tmp_path / "o"),
+    ]
     cfg = load_config(ROOT / "configs" / "seed_pretrain_skeleton.yaml", overrides)
     assert cfg.train_dataset.batch_size == 4 and cfg.parallel_config.micro_batch_num == 8
     run_training(cfg)
@@ -107,19 +137,21 @@ def test_seed_section_33_yaml_trains_with_only_size_layout_warmup_steps_overridd
 def test_seven_b_config_is_the_seed_layout_and_batch():
     from conftest import ROOT
     from meshformer.config import validate_layout
-    from meshformer.parallel.env import ParallelEnv
+    from meshformer.parallel.dims import ParallelDims
     from meshformer.train.trainer import BatchPlan
 
     cfg = load_config(ROOT / "configs" / "llama2_7b_pretrain_8card.yaml")
     validate_layout(cfg, 8)
     with pytest.raises(UserError, match="but 4 processes"):
         validate_layout(cfg, 4)
-    plan = BatchPlan.from_config(cfg, ParallelEnv(world_size=8, dp_size=2, tp_size=2, pp_size=2))
+    plan = BatchPlan.from_config(cfg, ParallelDims(pp=2, dp_replicate=2, tp=2))
     assert plan.global_batch == 64 and plan.n_micro == 8  # seed 2.4: global batch 64
 
 
 def test_fp16_compute_is_refused_with_the_fix(tiny_dataset, tmp_path):
-    cfg = load_config(None, tiny_overrides(tiny_dataset, tmp_path / "o", {"model.model_config.compute_dtype": "float16"}))
+    cfg = load_config(
+        None, tiny_overrides(tiny_dataset, tmp_path / "o", {"model.model_config.compute_dtype": "float16"})
+    )
     with pytest.raises(UserError, match="compute_dtype=float16.*use bfloat16"):
         run_training(cfg)
     assert not (tmp_path / "o").exists()

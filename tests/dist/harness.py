@@ -1,19 +1,22 @@
-"""Parity harness that needs no trainer: build, parallelize, materialize, 5 AdamW steps on fixed tokens.
+"""Parity harness: the trainer's own step on fixed tokens, in one process (the reference) or under torchrun.
 
-It follows the trainer contract (see meshformer.parallel.parts): every data-parallel rank takes its
-contiguous slice of each global batch, the loss is normalised by the global count of non-ignored labels,
-gradients are clipped at 1.0. `run_case` works in one process (the reference) and under torchrun.
+It builds, steps and evaluates only through meshformer.train.step (`build_parts`, `train_step`, `evaluate`) and
+meshformer.train.optim (`Optimizers`, `Schedule`), the functions the trainer calls, so the suite proves the
+trainer's arithmetic: loss function, weight-decay groups, global-token normalisation, clipping. A test fails if
+this file grows its own. What the trainer adds around them (the dataset, the per-rank batch slices, metrics) is
+replaced here by fixed random tokens, each data-parallel rank taking its contiguous slice of the global batch.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
+from torch import nn
 
 from meshformer.config.load import load_config
-from meshformer.models.init import build_model, materialize
-from meshformer.models.llama import DTYPE
-from meshformer.parallel import init_parallel, parallelize
+from meshformer.models.transforms import ModelTransform
+from meshformer.parallel import init_parallel
+from meshformer.train.optim import Optimizers, Schedule
+from meshformer.train.step import build_parts, clip_threshold, evaluate, train_step
 
 STEPS = 5
 GLOBAL_BATCH = 16
@@ -28,6 +31,9 @@ MODEL = {
     "model.model_config.vocab_size": VOCAB, "model.model_config.seq_length": SEQ,
     "model.model_config.qkv_has_bias": True, "model.model_config.use_qk_norm": True,
     "seed": 7,
+    # AdamW (lr 1e-3, betas 0.9/0.95, weight decay 0.1 off norms and biases) at a constant rate, clipped at 1.0.
+    "optimizer.learning_rate": 1e-3, "lr_schedule.type": "constant",
+    "optimizer.weight_decay": 0.1, "runner_wrapper.max_grad_norm": 1.0,
 }
 
 # name -> (overrides, micro-batches per step on each rank). World size = dp x tp x pp of the overrides.
@@ -85,10 +91,40 @@ VARIANTS = {
     "fp32": {},
     "tied": {"model.model_config.tie_word_embeddings": True, "model.model_config.use_qk_norm": False},
     "bf16": {"model.model_config.compute_dtype": "bfloat16"},
+    "wrapped": {},  # fp32, the decoder's linears wrapped by a model transform (VARIANT_TRANSFORMS)
 }
+
+
+class Wrapped(nn.Module):
+    """A linear one level down inside another module, as a LoRA linear holds its base layer: the tensor-parallel
+    plan must still reach it (through tp_subplan), and names, init and checkpoints follow the new path."""
+
+    def __init__(self, base: nn.Module):
+        super().__init__()
+        self.base_layer = base
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base_layer(x)
+
+    def tp_subplan(self, style: str) -> dict[str, str]:
+        return {"base_layer": style}
+
+
+def _wrap_decoder_linears(model: nn.Module, cfg) -> None:
+    for layer in model.layers.values():
+        for block in (layer.self_attn, layer.mlp):
+            for name, child in list(block.named_children()):
+                if isinstance(child, nn.Linear):
+                    setattr(block, name, Wrapped(child))
+
+
+# Variants that change the model through a model transform (the hook LoRA and friends use).
+VARIANT_TRANSFORMS = {"wrapped": [ModelTransform("wrap decoder linears", lambda cfg: True, _wrap_decoder_linears)]}
+
 VARIANT_CASES = {  # extra (case, variant) pairs beyond every case in fp32
     "tied": ["tp2_sp_accum", "dp2xtp2"],
     "bf16": ["fsdp2", "tp2", "pp2_1f1b", "fsdp2xtp2_sp_rc"],
+    "wrapped": ["tp2_sp_accum", "dp2xtp2"],
 }
 
 
@@ -104,11 +140,6 @@ def make_cfg(overrides: dict):
     return load_config(None, args)
 
 
-def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Sum of token cross-entropies in fp32 (the trainer's contract)."""
-    return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(0, 1), ignore_index=-100, reduction="sum")
-
-
 def batches() -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1234)
     tokens = torch.randint(VOCAB, (STEPS, GLOBAL_BATCH, SEQ + 1), generator=g)
@@ -117,33 +148,23 @@ def batches() -> tuple[torch.Tensor, torch.Tensor]:
     return tokens[..., :-1], labels
 
 
-def run(cfg, env, n_micro: int) -> list[tuple[float, float]]:
-    mc = cfg.model.model_config
-    parts = parallelize(build_model(mc), cfg, env, loss_fn)
-    for part in parts.parts:
-        materialize(part, env.device, cfg.seed, DTYPE[mc.param_init_type])
-    decay, no_decay = [], []
-    for name, p in parts.named_parameters():
-        (no_decay if "norm" in name or name.endswith("bias") else decay).append(p)
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-                            lr=1e-3, betas=(0.9, 0.95), eps=1e-8, foreach=True)
+def run(cfg, env, n_micro: int, transforms=None) -> list[tuple[float, float]]:
+    built = build_parts(cfg, env, transforms)
+    opt = Optimizers(built.parts.parts, cfg)
+    schedule = Schedule(opt, cfg, STEPS)
+    ignore = cfg.model.model_config.ignore_token_id
     inputs, labels = batches()
     per = GLOBAL_BATCH // env.dp_size
     rows = slice(env.dp_rank * per, (env.dp_rank + 1) * per)
     out = []
     for step in range(STEPS):
-        x, y = inputs[step, rows].to(env.device), labels[step, rows].to(env.device)
-        tokens = env.all_reduce_sum_dp((y != -100).sum().float())
-        loss_sum = parts.forward_backward(x, y, n_micro, loss_scale=env.grad_average_size / float(tokens))
-        loss = env.all_reduce_sum_dp(loss_sum.clone()) / tokens
-        gn = parts.clip_grad_norm_(1.0)
-        opt.step()
-        opt.zero_grad()
-        out.append((float(loss), float(gn)))
+        schedule.apply(step)
+        r = train_step(built.parts, opt, env, inputs[step, rows].to(env.device), labels[step, rows].to(env.device),
+                       n_micro=n_micro, ignore_index=ignore, max_grad_norm=clip_threshold(cfg))
+        out.append((r.loss, r.grad_norm))
     # Validation loss after training (forward only): the first global batch again.
-    x, y = inputs[0, rows].to(env.device), labels[0, rows].to(env.device)
-    ev = env.all_reduce_sum_dp(parts.eval_loss(x, y).clone()) / env.all_reduce_sum_dp((y != -100).sum().float())
-    out.append((float(ev), 0.0))
+    first = [(inputs[0, rows].to(env.device), labels[0, rows].to(env.device))]
+    out.append((evaluate(built.parts, env, first, per // n_micro, ignore), 0.0))
     return out
 
 
@@ -153,4 +174,4 @@ def run_case(case: str, variant: str = "fp32", world_size: int | None = None):
     cfg = make_cfg(overrides)
     env = init_parallel(cfg, world_size)
     n_micro = CASES[case][1] if case else 1
-    return run(cfg, env, n_micro), env
+    return run(cfg, env, n_micro, VARIANT_TRANSFORMS.get(variant)), env

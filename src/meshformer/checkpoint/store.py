@@ -23,16 +23,25 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                     get_optimizer_state_dict, set_model_state_dict,
-                                                     set_optimizer_state_dict)
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 
 from meshformer.errors import UserError
 
 STEP_DIR = re.compile(r"^step_(\d+)$")
 
-# DCP warns on every single-process save/load that no process group exists; that is the intended use here.
-warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+
+def _dcp(fn, *args, **kwargs):
+    """Call a DCP function. In one process DCP warns on every call that no process group exists, which is the
+    intended use here: that one warning is silenced for the call only (no filter outlives it)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        return fn(*args, **kwargs)
 
 
 def checkpoint_root(output_dir: str | Path) -> Path:
@@ -55,8 +64,10 @@ def resolve_checkpoint(path: str | Path) -> Path:
     found = list_checkpoints(p)
     if found:
         return found[-1]
-    raise UserError(f"{str(p)!r} holds no meshformer checkpoint (no trainer_state.json, no checkpoint/step_*): "
-                    f"pass a run's output_dir or one of its checkpoint/step_N directories")
+    raise UserError(
+        f"{str(p)!r} holds no meshformer checkpoint (no trainer_state.json, no checkpoint/step_*): "
+        f"pass a run's output_dir or one of its checkpoint/step_N directories"
+    )
 
 
 def _model_sd(parts) -> dict:
@@ -79,8 +90,9 @@ def _optim_sd(parts, optimizers) -> dict:
     return sd
 
 
-def save_checkpoint(path: Path, parts, optimizers, trainer_state: dict, extra_files: dict[str, bytes],
-                    is_writer_rank: bool, barrier) -> Path:
+def save_checkpoint(
+    path: Path, parts, optimizers, trainer_state: dict, extra_files: dict[str, bytes], is_writer_rank: bool, barrier
+) -> Path:
     """Collective: every rank calls it. Returns the final directory."""
     tmp = path.with_name(path.name + ".tmp")
     if is_writer_rank:
@@ -88,9 +100,8 @@ def save_checkpoint(path: Path, parts, optimizers, trainer_state: dict, extra_fi
             shutil.rmtree(tmp)
         tmp.mkdir(parents=True)
     barrier()
-    dcp.save(_model_sd(parts), storage_writer=dcp.HuggingFaceStorageWriter(str(tmp / "model"), save_distributed=True))
-    dcp.save(_optim_sd(parts, optimizers), storage_writer=dcp.HuggingFaceStorageWriter(str(tmp / "optim"),
-                                                                                        save_distributed=True))
+    for sd, sub in ((_model_sd(parts), "model"), (_optim_sd(parts, optimizers), "optim")):
+        _dcp(dcp.save, sd, storage_writer=dcp.HuggingFaceStorageWriter(str(tmp / sub), save_distributed=True))
     barrier()
     if is_writer_rank:
         for name, data in extra_files.items():
@@ -121,11 +132,13 @@ def load_optimizer(path: Path, parts, optimizers) -> None:
 def _dcp_load(sd: dict, where: Path) -> None:
     """DCP load whose failures (missing tensors, wrong shapes) become a one-line UserError."""
     try:
-        dcp.load(sd, storage_reader=dcp.HuggingFaceStorageReader(str(where)))
+        _dcp(dcp.load, sd, storage_reader=dcp.HuggingFaceStorageReader(str(where)))
     except (CheckpointException, RuntimeError, ValueError, KeyError) as e:
         detail = str(e).strip().splitlines()[-1][:200] if str(e).strip() else type(e).__name__
-        raise UserError(f"checkpoint {str(where.parent)!r} does not fit this model ({detail}): use the model "
-                        f"settings of the config.yaml saved next to it") from None
+        raise UserError(
+            f"checkpoint {str(where.parent)!r} does not fit this model ({detail}): use the model "
+            f"settings of the config.yaml saved next to it"
+        ) from None
 
 
 def read_trainer_state(path: Path) -> dict:
@@ -138,4 +151,3 @@ def read_trainer_state(path: Path) -> dict:
 def prune_checkpoints(output_dir: str | Path, keep: int) -> None:
     for old in list_checkpoints(output_dir)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
-

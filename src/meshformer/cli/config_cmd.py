@@ -44,10 +44,14 @@ def explain_text(prefix: str = "") -> str:
 
 
 def markdown() -> str:
-    out = ["# Configuration reference", "",
-           "Generated from `src/meshformer/config/schema.py` by `meshformer config explain --markdown`; a test keeps",
-           "it in sync. Field names follow MindSpore Transformers. Override any field on the command line with",
-           "`--dotted.name VALUE`.", ""]
+    out = [
+        "# Configuration reference",
+        "",
+        "Generated from `src/meshformer/config/schema.py` by `meshformer config explain --markdown`; a test keeps",
+        "it in sync. Field names follow MindSpore Transformers. Override any field on the command line with",
+        "`--dotted.name VALUE`.",
+        "",
+    ]
     for name, tp, default, doc, choices in iter_fields():
         if tp == "section":
             out += ["", f"## `{name}`", "", doc, "", "| field | type | default | meaning |", "|---|---|---|---|"]
@@ -59,17 +63,26 @@ def markdown() -> str:
 
 def add_parser(sub) -> None:
     import argparse
-    p = sub.add_parser("config", help="explain every config field, or check a config file",
-                       description="Explain the config schema (every field with its type, default and meaning).",
-                       epilog="fields:\n" + explain_text(), formatter_class=argparse.RawDescriptionHelpFormatter)
+
+    p = sub.add_parser(
+        "config",
+        help="explain every config field, or check a config file",
+        description="Explain the config schema (every field with its type, default and meaning).",
+        epilog="fields:\n" + explain_text(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     verbs = p.add_subparsers(dest="verb", metavar="VERB")
     e = verbs.add_parser("explain", help="print every field (or those under PREFIX) with its doc")
     e.add_argument("prefix", nargs="?", default="", help="only fields starting with this, e.g. parallel_config")
     e.add_argument("--markdown", action="store_true", help="print docs/config.md")
     c = verbs.add_parser("check", help="load and validate a config (with overrides) and print it resolved")
     c.add_argument("config")
-    c.add_argument("--world-size", type=int, default=None,
-                   help="also check the layout against this many processes (default: the config's own product)")
+    c.add_argument(
+        "--world-size",
+        type=int,
+        default=None,
+        help="also check the layout against this many processes (default: the config's own product)",
+    )
     c.set_defaults(accepts_overrides=True)
     p.set_defaults(func=run)
 
@@ -77,8 +90,10 @@ def add_parser(sub) -> None:
 def run(args) -> int:
     if args.verb == "check":
         import yaml
+
         from meshformer.config.load import load_config, print_notices, to_dict
         from meshformer.config.validate import validate_run
+
         notices: list[str] = []
         cfg = load_config(args.config, args.overrides, notices=notices)
         validate_run(cfg, args.world_size)

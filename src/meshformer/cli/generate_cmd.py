@@ -15,19 +15,38 @@ from meshformer.errors import UserError
 
 
 def add_parser(subparsers) -> None:
-    p = subparsers.add_parser("generate", help="Generate text from a checkpoint.",
-                              description="Continue --prompt with a trained model and print prompt + completion.")
-    p.add_argument("--checkpoint", required=True, metavar="DIR",
-                   help="a run's output_dir (its newest checkpoint is used) or one checkpoint directory")
+    p = subparsers.add_parser(
+        "generate",
+        help="Generate text from a checkpoint.",
+        description="Continue --prompt with a trained model and print prompt + completion.",
+    )
+    p.add_argument(
+        "--checkpoint",
+        required=True,
+        metavar="DIR",
+        help="a run's output_dir (its newest checkpoint is used) or one checkpoint directory",
+    )
     p.add_argument("--prompt", required=True, help="text to continue")
-    p.add_argument("--max-new-tokens", type=int, default=64, metavar="N", help="tokens to generate at most (default 64)")
-    p.add_argument("--temperature", type=float, default=1.0, metavar="T",
-                   help="softmax temperature; 0 means greedy (default 1.0)")
-    p.add_argument("--top-p", type=float, default=1.0, metavar="P",
-                   help="nucleus sampling: sample from the smallest set of tokens with mass >= P (default 1.0: off)")
-    p.add_argument("--top-k", type=int, default=0, metavar="K", help="sample from the K most likely tokens (default 0: off)")
+    p.add_argument(
+        "--max-new-tokens", type=int, default=64, metavar="N", help="tokens to generate at most (default 64)"
+    )
+    p.add_argument(
+        "--temperature", type=float, default=1.0, metavar="T", help="softmax temperature; 0 means greedy (default 1.0)"
+    )
+    p.add_argument(
+        "--top-p",
+        type=float,
+        default=1.0,
+        metavar="P",
+        help="nucleus sampling: sample from the smallest set of tokens with mass >= P (default 1.0: off)",
+    )
+    p.add_argument(
+        "--top-k", type=int, default=0, metavar="K", help="sample from the K most likely tokens (default 0: off)"
+    )
     p.add_argument("--greedy", action="store_true", help="always take the most likely token (ignores sampling flags)")
-    p.add_argument("--seed", type=int, default=None, metavar="S", help="seed for reproducible sampling (default: random)")
+    p.add_argument(
+        "--seed", type=int, default=None, metavar="S", help="seed for reproducible sampling (default: random)"
+    )
     p.add_argument("--device", default=None, help="where to run, e.g. cpu or cuda:0 (default: cuda when available)")
     p.set_defaults(func=run)
 
@@ -44,12 +63,15 @@ def check_args(args: argparse.Namespace) -> None:
     if args.seed is not None and args.seed < 0:
         raise UserError(f"--seed {args.seed}: must be >= 0")
     if not Path(args.checkpoint).exists():
-        raise UserError(f"--checkpoint {args.checkpoint!r} does not exist: pass a run's output_dir or a checkpoint directory")
+        raise UserError(
+            f"--checkpoint {args.checkpoint!r} does not exist: pass a run's output_dir or a checkpoint directory"
+        )
 
 
 def special_ids(tokenizer, mc) -> tuple[int | None, int | None]:
     """(bos, eos): the model config's ids when set, else the tokenizer's own special tokens (or None)."""
     from meshformer.data.tokenizer import special_token_ids
+
     try:
         found = special_token_ids(tokenizer)
     except UserError:  # a tokenizer without an end-of-text token: generate to max-new-tokens
@@ -67,8 +89,10 @@ def encode_prompt(tokenizer, prompt: str, mc, bos: int | None) -> list[int]:
         raise UserError("--prompt encodes to no tokens: give some text to continue")
     bad = [t for t in ids if t >= mc.vocab_size]
     if bad:
-        raise UserError(f"--prompt: token id {bad[0]} is outside the model's vocab_size={mc.vocab_size}: "
-                        f"the checkpoint's tokenizer does not match its model")
+        raise UserError(
+            f"--prompt: token id {bad[0]} is outside the model's vocab_size={mc.vocab_size}: "
+            f"the checkpoint's tokenizer does not match its model"
+        )
     return ids
 
 
@@ -92,14 +116,23 @@ def run(args: argparse.Namespace) -> int:
         else:
             gen.manual_seed(args.seed)
     t0 = time.perf_counter()
-    new = generate(model, ids, args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                   top_k=args.top_k, greedy=args.greedy, eos_id=eos, generator=gen)
+    new = generate(
+        model,
+        ids,
+        args.max_new_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        greedy=args.greedy,
+        eos_id=eos,
+        generator=gen,
+    )
     dt = time.perf_counter() - t0
     # Decode prompt and completion together (tokenizers merge spaces across the boundary), then keep the
     # user's prompt text verbatim when the tokenizer round-trips it.
     full = tokenizer.decode(ids + new)
     prefix = tokenizer.decode(ids)
-    text = args.prompt + full[len(prefix):] if full.startswith(prefix) else full
+    text = args.prompt + full[len(prefix) :] if full.startswith(prefix) else full
     print(text)
     print(f"generated {len(new)} tokens in {dt:.2f}s ({len(new) / max(dt, 1e-9):.1f} tokens/s)", file=sys.stderr)
     return 0

@@ -13,12 +13,19 @@ import sys
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("launch", help="train on N processes of this machine (torchrun wrapper)",
-                       description="Start N training processes on this machine with torchrun. The layout "
-                                   "(parallel_config) is checked against N before anything starts.")
+    p = sub.add_parser(
+        "launch",
+        help="train on N processes of this machine (torchrun wrapper)",
+        description="Start N training processes on this machine with torchrun. The layout "
+        "(parallel_config) is checked against N before anything starts.",
+    )
     p.add_argument("--nproc", type=int, required=True, help="processes (devices) on this node")
-    p.add_argument("--master-port", type=int, default=None,
-                   help="rendezvous port (default: torchrun --standalone picks a free one)")
+    p.add_argument(
+        "--master-port",
+        type=int,
+        default=None,
+        help="rendezvous port (default: torchrun --standalone picks a free one)",
+    )
     p.add_argument("--print-command", action="store_true", help="print the torchrun command instead of running it")
     p.add_argument("config", help="YAML config file")
     p.set_defaults(func=run, accepts_overrides=True)
@@ -41,7 +48,7 @@ def run(args) -> int:
     if args.nproc < 1:
         raise UserError(f"--nproc {args.nproc}: give the number of processes to start (at least 1)")
     cfg = load_config(args.config, args.overrides)
-    validate_run(cfg, args.nproc)   # a wrong product fails here, before any process starts
+    validate_run(cfg, args.nproc)  # a wrong product fails here, before any process starts
     cmd = torchrun_command(args.nproc, args.config, args.overrides, args.master_port)
     if args.print_command:
         print(shlex.join(cmd))

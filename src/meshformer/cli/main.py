@@ -17,8 +17,12 @@ COMMANDS = ("train", "launch", "selfcheck", "preprocess", "tokenizer", "generate
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="meshformer", description=(
-        "Pre-train and fine-tune Llama-family models from one YAML file, split across devices by parallel_config."))
+    parser = argparse.ArgumentParser(
+        prog="meshformer",
+        description=(
+            "Pre-train and fine-tune Llama-family models from one YAML file, split across devices by parallel_config."
+        ),
+    )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     for name in COMMANDS:
@@ -38,7 +42,9 @@ def command_options(parser: argparse.ArgumentParser, argv: list[str]) -> set[str
 def is_override(arg: str) -> bool:
     """`--section.field` or `--top_level_field`: a config override rather than a command option."""
     import dataclasses
+
     from meshformer.config.schema import MeshformerConfig
+
     if not arg.startswith("--"):
         return False
     key = arg[2:].split("=", 1)[0]

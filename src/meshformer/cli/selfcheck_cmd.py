@@ -16,9 +16,12 @@ import socket
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("selfcheck", help="check distributed communication (run under torchrun)",
-                       description="Run under torchrun on every rank: prints rank, world size, backend and mesh "
-                                   "coordinates, then checks all_reduce, all_gather and send/recv with a timeout.")
+    p = sub.add_parser(
+        "selfcheck",
+        help="check distributed communication (run under torchrun)",
+        description="Run under torchrun on every rank: prints rank, world size, backend and mesh "
+        "coordinates, then checks all_reduce, all_gather and send/recv with a timeout.",
+    )
     p.add_argument("config", nargs="?", default=None, help="optional YAML config: also build its device mesh")
     p.add_argument("--timeout", type=float, default=60.0, help="seconds each check may take (default 60)")
     p.set_defaults(func=run, accepts_overrides=True)
@@ -34,17 +37,19 @@ def run(args) -> int:
     import torch.distributed as dist
 
     from meshformer.errors import UserError
+    from meshformer.parallel.env import init_parallel, local_device, start_process_group
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if "RANK" not in os.environ:
-        print("selfcheck: not started by torchrun (no RANK/WORLD_SIZE): world size 1, nothing to check.\n"
-              "run e.g.: torchrun --standalone --nproc-per-node 2 -m meshformer selfcheck")
+        print(
+            "selfcheck: not started by torchrun (no RANK/WORLD_SIZE): world size 1, nothing to check.\n"
+            "run e.g.: torchrun --standalone --nproc-per-node 2 -m meshformer selfcheck"
+        )
         return 0
     timeout = datetime.timedelta(seconds=args.timeout)
     env = None
     if args.config is not None:
         from meshformer.config.load import load_config
-        from meshformer.parallel.env import init_parallel
 
         cfg = load_config(args.config, args.overrides)
         cfg.comm_timeout = max(1, int(args.timeout))
@@ -52,12 +57,9 @@ def run(args) -> int:
     else:
         if args.overrides:
             raise UserError("selfcheck: overrides need a CONFIG argument")
-        backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
-        if torch.cuda.is_available():
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group(backend=backend, timeout=timeout)
+        start_process_group(local_device(), args.timeout)  # the device and backend training would use
     rank = dist.get_rank()
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    device = env.device if env is not None else local_device()
     coords = env.describe() if env is not None else f"rank {rank}/{world} backend={dist.get_backend()} device={device}"
     print(f"[rank {rank}] host={socket.gethostname()} local_rank={os.environ.get('LOCAL_RANK')} {coords}", flush=True)
 
@@ -93,8 +95,12 @@ def run(args) -> int:
     except StopIteration:
         _report(rank, "send/recv", True, "(skipped: world size 1)")
     except Exception as e:
-        ok = _report(rank, "send/recv", False, f"no answer from rank {prv} or rank {nxt} within "
-                                               f"{args.timeout:g}s ({type(e).__name__})")
+        ok = _report(
+            rank,
+            "send/recv",
+            False,
+            f"no answer from rank {prv} or rank {nxt} within {args.timeout:g}s ({type(e).__name__})",
+        )
     if ok:
         dist.barrier()
         dist.destroy_process_group()

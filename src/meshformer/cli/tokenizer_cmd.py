@@ -7,17 +7,31 @@ import time
 
 
 def add_parser(subparsers) -> None:
-    p = subparsers.add_parser("tokenizer", help="Train a tokenizer.",
-                              description="Tokenizer tools; `train` is the only verb for now.")
+    p = subparsers.add_parser(
+        "tokenizer", help="Train a tokenizer.", description="Tokenizer tools; `train` is the only verb for now."
+    )
     verbs = p.add_subparsers(dest="tokenizer_command", metavar="VERB")
     verbs.required = True
-    t = verbs.add_parser("train", help="Train a byte-level BPE tokenizer on text files.",
-                         description="Train a byte-level BPE tokenizer (special tokens <|endoftext|>, <|pad|>, "
-                                     "<|im_start|>, <|im_end|>) and write DIR/tokenizer.json.")
-    t.add_argument("--input", nargs="+", required=True, metavar="FILE",
-                   help=".txt files (one document each) or .jsonl files (one {\"text\": ...} per line)")
-    t.add_argument("--vocab-size", type=int, required=True, metavar="N",
-                   help="vocabulary size including the 4 special tokens (e.g. 2048 for a small corpus)")
+    t = verbs.add_parser(
+        "train",
+        help="Train a byte-level BPE tokenizer on text files.",
+        description="Train a byte-level BPE tokenizer (special tokens <|endoftext|>, <|pad|>, "
+        "<|im_start|>, <|im_end|>) and write DIR/tokenizer.json.",
+    )
+    t.add_argument(
+        "--input",
+        nargs="+",
+        required=True,
+        metavar="FILE",
+        help='.txt files (one document each) or .jsonl files (one {"text": ...} per line)',
+    )
+    t.add_argument(
+        "--vocab-size",
+        type=int,
+        required=True,
+        metavar="N",
+        help="vocabulary size including the 4 special tokens (e.g. 2048 for a small corpus)",
+    )
     t.add_argument("--output", required=True, metavar="DIR", help="directory to write tokenizer.json into")
     t.add_argument("--overwrite", action="store_true", help="replace an existing DIR/tokenizer.json")
     t.set_defaults(func=run_train)

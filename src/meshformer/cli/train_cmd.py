@@ -4,9 +4,12 @@ from __future__ import annotations
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("train", help="train (pre-train or fine-tune) from a YAML config",
-                       description="Train from a YAML config. Any field can be overridden with --section.field VALUE, "
-                                   "e.g. --parallel_config.data_parallel 2 --model.model_config.num_layers 2.")
+    p = sub.add_parser(
+        "train",
+        help="train (pre-train or fine-tune) from a YAML config",
+        description="Train from a YAML config. Any field can be overridden with --section.field VALUE, "
+        "e.g. --parallel_config.data_parallel 2 --model.model_config.num_layers 2.",
+    )
     p.add_argument("config", help="YAML config file (MindSpore Transformers field names)")
     p.set_defaults(func=run, accepts_overrides=True)
 

@@ -2,7 +2,6 @@
 
 from meshformer.config.load import load_config, parse_overrides, to_dict
 from meshformer.config.schema import MeshformerConfig, ModelConfig
-from meshformer.config.validate import head_dim, intermediate_size, kv_heads, validate_layout
+from meshformer.config.validate import validate_layout
 
-__all__ = ["MeshformerConfig", "ModelConfig", "load_config", "parse_overrides", "to_dict", "head_dim",
-           "intermediate_size", "kv_heads", "validate_layout"]
+__all__ = ["MeshformerConfig", "ModelConfig", "load_config", "parse_overrides", "to_dict", "validate_layout"]

@@ -17,9 +17,15 @@ from typing import Any
 
 import yaml
 
+from meshformer.config.schema import (
+    IGNORED_KEYS,
+    LIST_ITEM_SCHEMAS,
+    MODEL_CHANGING_KEYS,
+    MeshformerConfig,
+    field_default,
+    is_dataclass_type,
+)
 from meshformer.errors import UserError
-from meshformer.config.schema import (IGNORED_KEYS, LIST_ITEM_SCHEMAS, MeshformerConfig, field_default,
-                                       is_dataclass_type)
 
 # Misspellings seen in the wild that we accept silently (the seed article itself writes CheckpointMointor).
 VALUE_ALIASES = {"CheckpointMointor": "CheckpointMonitor"}
@@ -39,7 +45,9 @@ def read_yaml(path: str | Path) -> dict:
     if data is None:
         data = {}
     if not isinstance(data, dict):
-        raise UserError(f"{p}: the top level must be a mapping of sections (run_mode:, model:, ...), not {type(data).__name__}")
+        raise UserError(
+            f"{p}: the top level must be a mapping of sections (run_mode:, model:, ...), not {type(data).__name__}"
+        )
     return data
 
 
@@ -74,13 +82,13 @@ def apply_override(data: dict, dotted: str, value: Any) -> None:
     node: Any = data
     for depth, part in enumerate(parts[:-1]):
         if isinstance(node, list):
-            node = _list_item(node, part, ".".join(parts[:depth + 1]))
+            node = _list_item(node, part, ".".join(parts[: depth + 1]))
             continue
         nxt = node.get(part)
         if nxt is None:  # a section the file leaves out starts from its schema default (callbacks is a list)
-            nxt = node[part] = _default_section(parts[:depth + 1]) if node is data else {}
+            nxt = node[part] = _default_section(parts[: depth + 1]) if node is data else {}
         if not isinstance(nxt, (dict, list)):
-            raise UserError(f"override --{dotted}: {'.'.join(parts[:depth + 1])} is a value, not a section")
+            raise UserError(f"override --{dotted}: {'.'.join(parts[: depth + 1])} is a value, not a section")
         node = nxt
     if isinstance(node, list):
         raise UserError(f"override --{dotted}: address a list item's field, e.g. --callbacks.0.per_print_times 5")
@@ -106,7 +114,7 @@ def _spellings(parts: list[str]) -> set[str]:
         if depth == len(parts) - 1:
             return {name, *fields[name].metadata.get("aliases", ())}
         tp = typing.get_type_hints(cls)[name]
-        cls = tp if is_dataclass_type(tp) else LIST_ITEM_SCHEMAS.get(tuple(parts[:depth + 1]))
+        cls = tp if is_dataclass_type(tp) else LIST_ITEM_SCHEMAS.get(tuple(parts[: depth + 1]))
     return set()
 
 
@@ -126,12 +134,15 @@ def _list_item(items: list, part: str, where: str) -> dict:
     raise UserError(f"override: no item {part!r} in {where}; use an index (0..{len(items) - 1}) or an item's type")
 
 
-def load_config(path: str | Path | None, overrides: list[str] | None = None, *, notices: list[str] | None = None) -> MeshformerConfig:
+def load_config(
+    path: str | Path | None, overrides: list[str] | None = None, *, notices: list[str] | None = None
+) -> MeshformerConfig:
     data = read_yaml(path) if path is not None else {}
     for key, value in parse_overrides(overrides or []):
         apply_override(data, key, value)
     cfg = from_dict(MeshformerConfig, data, (), notices if notices is not None else [])
     from meshformer.config.validate import validate_config
+
     validate_config(cfg)
     return cfg
 
@@ -152,11 +163,13 @@ def from_dict(cls: type, data: Any, path: tuple, notices: list[str]) -> Any:
         name = alias_of.get(key, key)
         if name not in fields:
             if key in ignored:
+                harmless, why = MODEL_CHANGING_KEYS.get((path, key), (None, ""))
+                if harmless is not None and not harmless(value):
+                    raise UserError(f"{_dot(path, key)}={_show(value)}: {why}")
                 notices.append(f"{_dot(path, key)} is a MindSpore-only setting; meshformer ignores it")
                 continue
             guess = difflib.get_close_matches(key, list(fields) + list(alias_of), n=1, cutoff=0.6)
-            hint = f"did you mean {_dot(path, guess[0])!r}?" if guess else \
-                f"valid fields: {', '.join(sorted(fields))}"
+            hint = f"did you mean {_dot(path, guess[0])!r}?" if guess else f"valid fields: {', '.join(sorted(fields))}"
             raise UserError(f"unknown config key {_dot(path, key)!r}: {hint}")
         if name in kwargs:
             again = _convert(hints[name], value, path + (name,), fields[name].metadata, notices)
@@ -184,7 +197,9 @@ def _convert(tp: Any, value: Any, path: tuple, meta: dict, notices: list[str]) -
     if converted is _NO:
         raise UserError(f"{dotted} must be {_type_name(tp)}, got {_show(value)}: fix the value's type")
     if isinstance(converted, list) and path in LIST_ITEM_SCHEMAS:
-        converted = [from_dict(LIST_ITEM_SCHEMAS[path], it, path + (str(i),), notices) for i, it in enumerate(converted)]
+        converted = [
+            from_dict(LIST_ITEM_SCHEMAS[path], it, path + (str(i),), notices) for i, it in enumerate(converted)
+        ]
     _check_range(dotted, converted, meta)
     return converted
 
@@ -224,8 +239,11 @@ def _check_range(dotted: str, v: Any, meta: dict) -> None:
         raise UserError(f"{dotted}={v!r} is not allowed: {hint}choose one of {', '.join(map(str, choices))}")
     if not isinstance(v, (int, float)) or isinstance(v, bool):
         return
-    for op, bound, ok in (("ge", meta.get("ge"), lambda a, b: a >= b), ("gt", meta.get("gt"), lambda a, b: a > b),
-                          ("le", meta.get("le"), lambda a, b: a <= b)):
+    for op, bound, ok in (
+        ("ge", meta.get("ge"), lambda a, b: a >= b),
+        ("gt", meta.get("gt"), lambda a, b: a > b),
+        ("le", meta.get("le"), lambda a, b: a <= b),
+    ):
         if bound is not None and not ok(v, bound):
             rel = {"ge": ">=", "gt": ">", "le": "<="}[op]
             raise UserError(f"{dotted}={v} is out of range: it must be {rel} {bound}")
@@ -239,8 +257,15 @@ def _union_members(tp: Any) -> list:
 
 
 def _type_name(tp: Any) -> str:
-    names = {bool: "true/false", int: "an integer", float: "a number", str: "a string", list: "a list",
-             dict: "a mapping", type(None): "empty"}
+    names = {
+        bool: "true/false",
+        int: "an integer",
+        float: "a number",
+        str: "a string",
+        list: "a list",
+        dict: "a mapping",
+        type(None): "empty",
+    }
     return " or ".join(names.get(typing.get_origin(o) or o, str(o)) for o in _union_members(tp))
 
 

@@ -15,24 +15,6 @@ MULTI_STAGE_SCHEDULES = ("interleaved_1f1b", "looped_bfs", "interleaved_zero_bub
 V_SCHEDULES = ("zbv_zero_bubble", "dualpipev")
 
 
-def kv_heads(mc: ModelConfig) -> int:
-    return mc.n_kv_heads or mc.num_heads
-
-
-def head_dim(mc: ModelConfig) -> int:
-    return mc.head_dim or mc.hidden_size // mc.num_heads
-
-
-def intermediate_size(mc: ModelConfig) -> int:
-    """Llama's rule: 2/3 of 4h, scaled by ffn_dim_multiplier, rounded up to multiple_of."""
-    if mc.intermediate_size:
-        return mc.intermediate_size
-    hidden = int(2 * 4 * mc.hidden_size / 3)
-    if mc.ffn_dim_multiplier is not None:
-        hidden = int(mc.ffn_dim_multiplier * hidden)
-    return mc.multiple_of * ((hidden + mc.multiple_of - 1) // mc.multiple_of)
-
-
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
@@ -47,13 +29,17 @@ def stages_per_rank(cfg: MeshformerConfig) -> int:
 def validate_config(cfg: MeshformerConfig) -> None:
     mc = cfg.model.model_config
     if mc.head_dim is None and mc.hidden_size % mc.num_heads:
-        raise UserError(f"model.model_config.hidden_size={mc.hidden_size} is not divisible by num_heads={mc.num_heads}: "
-                        f"set head_dim, or pick num_heads from {_divisors(mc.hidden_size)[:12]}")
-    if head_dim(mc) % 2:
-        raise UserError(f"model.model_config: head dimension {head_dim(mc)} must be even for rotary embeddings")
-    if mc.num_heads % kv_heads(mc):
-        raise UserError(f"model.model_config.n_kv_heads={mc.n_kv_heads} must divide num_heads={mc.num_heads}: "
-                        f"choose from {_divisors(mc.num_heads)}")
+        raise UserError(
+            f"model.model_config.hidden_size={mc.hidden_size} is not divisible by num_heads={mc.num_heads}: "
+            f"set head_dim, or pick num_heads from {_divisors(mc.hidden_size)[:12]}"
+        )
+    if mc.dim_per_head % 2:
+        raise UserError(f"model.model_config: head dimension {mc.dim_per_head} must be even for rotary embeddings")
+    if mc.num_heads % mc.num_kv_heads:
+        raise UserError(
+            f"model.model_config.n_kv_heads={mc.n_kv_heads} must divide num_heads={mc.num_heads}: "
+            f"choose from {_divisors(mc.num_heads)}"
+        )
     if mc.rms_norm_eps >= 1:
         raise UserError(f"model.model_config.rms_norm_eps={mc.rms_norm_eps} is too large: use a small value like 1e-5")
     if mc.pet_config:
@@ -63,11 +49,15 @@ def validate_config(cfg: MeshformerConfig) -> None:
     pp = cfg.parallel_config.pipeline_stage
     if isinstance(rc, list):
         if len(rc) != pp or not all(isinstance(x, int) and x >= 0 for x in rc):
-            raise UserError(f"recompute_config.recompute={rc}: give one non-negative layer count per pipeline stage "
-                            f"({pp} numbers), or true/false")
+            raise UserError(
+                f"recompute_config.recompute={rc}: give one non-negative layer count per pipeline stage "
+                f"({pp} numbers), or true/false"
+            )
     ls = cfg.lr_schedule
     if ls.total_steps == 0 or ls.total_steps < -1:
-        raise UserError(f"lr_schedule.total_steps={ls.total_steps}: give a positive step count, or -1 for the run's length")
+        raise UserError(
+            f"lr_schedule.total_steps={ls.total_steps}: give a positive step count, or -1 for the run's length"
+        )
     betas = cfg.optimizer.betas
     if betas is not None and (len(betas) != 2 or not all(isinstance(b, (int, float)) and 0 <= b <= 1 for b in betas)):
         raise UserError(f"optimizer.betas={betas}: give two numbers in [0, 1], e.g. [0.9, 0.95]")
@@ -83,15 +73,21 @@ def validate_run(cfg: MeshformerConfig, world_size: int | None) -> None:
     validate_layout(cfg, world_size)
     mc, pc = cfg.model.model_config, cfg.parallel_config
     if mc.compute_dtype == "float16":
-        raise UserError("model.model_config.compute_dtype=float16 needs dynamic loss scaling, which meshformer "
-                        "does not have yet: use bfloat16 (same memory, no scaling needed)")
+        raise UserError(
+            "model.model_config.compute_dtype=float16 needs dynamic loss scaling, which meshformer "
+            "does not have yet: use bfloat16 (same memory, no scaling needed)"
+        )
     if mc.tie_word_embeddings and pc.pipeline_stage > 1:
-        raise UserError("model.model_config.tie_word_embeddings=true cannot be split by pipeline_stage="
-                        f"{pc.pipeline_stage} (the embedding and output projection would live on different stages): "
-                        "set tie_word_embeddings: false, or use data_parallel/model_parallel instead of pipeline_stage")
+        raise UserError(
+            "model.model_config.tie_word_embeddings=true cannot be split by pipeline_stage="
+            f"{pc.pipeline_stage} (the embedding and output projection would live on different stages): "
+            "set tie_word_embeddings: false, or use data_parallel/model_parallel instead of pipeline_stage"
+        )
     if mc.compute_dtype == "float32" and mc.param_init_type != "float32":
-        raise UserError(f"model.model_config.compute_dtype=float32 is wider than param_init_type="
-                        f"{mc.param_init_type}: use compute_dtype: {mc.param_init_type}, or param_init_type: float32")
+        raise UserError(
+            f"model.model_config.compute_dtype=float32 is wider than param_init_type="
+            f"{mc.param_init_type}: use compute_dtype: {mc.param_init_type}, or param_init_type: float32"
+        )
 
 
 def validate_layout(cfg: MeshformerConfig, world_size: int | None) -> None:
@@ -99,41 +95,60 @@ def validate_layout(cfg: MeshformerConfig, world_size: int | None) -> None:
     pc, mc = cfg.parallel_config, cfg.model.model_config
     dp, tp, pp = pc.data_parallel, pc.model_parallel, pc.pipeline_stage
     if world_size is not None and dp * tp * pp != world_size:
-        alts = [f"dp{d}xmp{t}xpp{p}" for t in _divisors(world_size) for p in _divisors(world_size // t)
-                for d in [world_size // (t * p)] if _tp_fits(mc, t) and p <= mc.num_layers]
-        raise UserError(f"parallel_config: data_parallel x model_parallel x pipeline_stage = {dp}x{tp}x{pp} = {dp * tp * pp} "
-                        f"but {world_size} processes were started: use e.g. {', '.join(alts[:6])}")
+        alts = [
+            f"dp{d}xmp{t}xpp{p}"
+            for t in _divisors(world_size)
+            for p in _divisors(world_size // t)
+            for d in [world_size // (t * p)]
+            if _tp_fits(mc, t) and p <= mc.num_layers
+        ]
+        raise UserError(
+            f"parallel_config: data_parallel x model_parallel x pipeline_stage = {dp}x{tp}x{pp} = {dp * tp * pp} "
+            f"but {world_size} processes were started: use e.g. {', '.join(alts[:6])}"
+        )
     if tp > 1:
-        ffn = intermediate_size(mc)
-        for name, n in (("num_heads", mc.num_heads), ("n_kv_heads", kv_heads(mc)), ("intermediate_size", ffn)):
+        ffn = mc.ffn_hidden_size
+        for name, n in (("num_heads", mc.num_heads), ("n_kv_heads", mc.num_kv_heads), ("intermediate_size", ffn)):
             if n % tp:
                 valid = [d for d in _divisors(mc.num_heads) if _tp_fits(mc, d)]
-                raise UserError(f"parallel_config.model_parallel={tp} does not divide {name}={n}: "
-                                f"valid model_parallel degrees for this model are {valid}")
+                raise UserError(
+                    f"parallel_config.model_parallel={tp} does not divide {name}={n}: "
+                    f"valid model_parallel degrees for this model are {valid}"
+                )
     if pp > 1:
         n_stages = pp * stages_per_rank(cfg)
         if n_stages > mc.num_layers:
-            raise UserError(f"parallel_config.pipeline_stage={pp} ({n_stages} stages) exceeds num_layers={mc.num_layers}: "
-                            f"use at most {mc.num_layers // stages_per_rank(cfg)} stages or more layers")
+            raise UserError(
+                f"parallel_config.pipeline_stage={pp} ({n_stages} stages) exceeds num_layers={mc.num_layers}: "
+                f"use at most {mc.num_layers // stages_per_rank(cfg)} stages or more layers"
+            )
         if pc.pipeline_schedule in STEADY_STATE_SCHEDULES and pc.micro_batch_num < pp:
-            raise UserError(f"parallel_config.micro_batch_num={pc.micro_batch_num} is smaller than pipeline_stage={pp}, "
-                            f"which {pc.pipeline_schedule} needs: set micro_batch_num >= {pp} (4-8x is typical), "
-                            f"or pipeline_schedule: gpipe")
-        if pc.pipeline_schedule in MULTI_STAGE_SCHEDULES and pc.pipeline_schedule not in V_SCHEDULES \
-                and pc.pp_interleave_num < 2:
+            raise UserError(
+                f"parallel_config.micro_batch_num={pc.micro_batch_num} is smaller than pipeline_stage={pp}, "
+                f"which {pc.pipeline_schedule} needs: set micro_batch_num >= {pp} (4-8x is typical), "
+                f"or pipeline_schedule: gpipe"
+            )
+        if (
+            pc.pipeline_schedule in MULTI_STAGE_SCHEDULES
+            and pc.pipeline_schedule not in V_SCHEDULES
+            and pc.pp_interleave_num < 2
+        ):
             raise UserError(f"parallel_config.pipeline_schedule={pc.pipeline_schedule} needs pp_interleave_num >= 2")
         if pc.pipeline_schedule in ("interleaved_1f1b",) and pc.micro_batch_num % pp:
-            raise UserError(f"parallel_config.micro_batch_num={pc.micro_batch_num} must be a multiple of "
-                            f"pipeline_stage={pp} for interleaved_1f1b")
+            raise UserError(
+                f"parallel_config.micro_batch_num={pc.micro_batch_num} must be a multiple of "
+                f"pipeline_stage={pp} for interleaved_1f1b"
+            )
         stage_layer_counts(cfg)  # raises on a bad offset
     op = cfg.optimizer.optimizer_parallel
     if op and dp % op:
-        raise UserError(f"optimizer.optimizer_parallel={op} must divide data_parallel={dp}: "
-                        f"choose from {_divisors(dp)}")
+        raise UserError(
+            f"optimizer.optimizer_parallel={op} must divide data_parallel={dp}: choose from {_divisors(dp)}"
+        )
 
 
 def _tp_fits(mc: ModelConfig, t: int) -> bool:
-    return mc.num_heads % t == 0 and kv_heads(mc) % t == 0 and intermediate_size(mc) % t == 0
+    return mc.num_heads % t == 0 and mc.num_kv_heads % t == 0 and mc.ffn_hidden_size % t == 0
 
 
 def stage_layer_counts(cfg: MeshformerConfig) -> list[int]:
@@ -148,8 +163,10 @@ def stage_layer_counts(cfg: MeshformerConfig) -> list[int]:
             raise UserError(f"model.model_config.offset={off}: give {n} integers (one per stage) or 0")
         counts = [base + o for o in off]
         if sum(counts) != mc.num_layers or min(counts) < 1:
-            raise UserError(f"model.model_config.offset={off} gives stage sizes {counts}: they must be >= 1 and sum "
-                            f"to num_layers={mc.num_layers} (offsets must sum to {mc.num_layers - base * n})")
+            raise UserError(
+                f"model.model_config.offset={off} gives stage sizes {counts}: they must be >= 1 and sum "
+                f"to num_layers={mc.num_layers} (offsets must sum to {mc.num_layers - base * n})"
+            )
     elif off != 0:
         raise UserError(f"model.model_config.offset={off}: use 0 (even split) or a list of {n} per-stage adjustments")
     return counts

@@ -34,8 +34,10 @@ def read_meta(dataset_dir: str | Path, field: str = "train_dataset.data_loader.d
         raise UserError(f"{field} is empty: set it to a directory made by `meshformer preprocess`")
     meta_path = d / "meta.json"
     if not meta_path.is_file():
-        raise UserError(f"{field}={str(d)!r} is not a meshformer dataset (no meta.json): "
-                        f"create it with `meshformer preprocess --input FILES --tokenizer DIR --output {d}`")
+        raise UserError(
+            f"{field}={str(d)!r} is not a meshformer dataset (no meta.json): "
+            f"create it with `meshformer preprocess --input FILES --tokenizer DIR --output {d}`"
+        )
     try:
         meta = json.loads(meta_path.read_text())
     except json.JSONDecodeError as e:
@@ -48,8 +50,9 @@ def read_meta(dataset_dir: str | Path, field: str = "train_dataset.data_loader.d
 class PackedDataset:
     """Fixed-length samples over one split's memory-mapped token stream."""
 
-    def __init__(self, dataset_dir: str | Path, split: str, seq_length: int,
-                 field: str = "train_dataset.data_loader.dataset_dir"):
+    def __init__(
+        self, dataset_dir: str | Path, split: str, seq_length: int, field: str = "train_dataset.data_loader.dataset_dir"
+    ):
         self.dir = Path(dataset_dir)
         self.meta = read_meta(dataset_dir, field)
         self.split = split
@@ -57,33 +60,43 @@ class PackedDataset:
         info = self.meta.get("splits", {}).get(split)
         path = self.dir / f"{split}.bin"
         if not info or not path.is_file() or info.get("tokens", 0) == 0:
-            raise UserError(f"{field}={str(self.dir)!r} has no {split!r} tokens: re-run `meshformer preprocess` "
-                            f"with more text (or a larger --val-fraction for validation)")
+            raise UserError(
+                f"{field}={str(self.dir)!r} has no {split!r} tokens: re-run `meshformer preprocess` "
+                f"with more text (or a larger --val-fraction for validation)"
+            )
         self.tokens = np.memmap(path, dtype=np.dtype(self.meta["dtype"]).newbyteorder("<"), mode="r")
         if self.tokens.shape[0] != info["tokens"]:
-            raise UserError(f"{path}: holds {self.tokens.shape[0]} tokens but meta.json says {info['tokens']}: "
-                            f"the dataset is truncated; re-run `meshformer preprocess`")
+            raise UserError(
+                f"{path}: holds {self.tokens.shape[0]} tokens but meta.json says {info['tokens']}: "
+                f"the dataset is truncated; re-run `meshformer preprocess`"
+            )
         self.num_samples = (self.tokens.shape[0] - 1) // seq_length
         if self.num_samples < 1:
-            raise UserError(f"{field}={str(self.dir)!r}: the {split!r} split has {self.tokens.shape[0]} tokens, fewer "
-                            f"than seq_length+1={seq_length + 1}: lower model.model_config.seq_length or add text")
+            raise UserError(
+                f"{field}={str(self.dir)!r}: the {split!r} split has {self.tokens.shape[0]} tokens, fewer "
+                f"than seq_length+1={seq_length + 1}: lower model.model_config.seq_length or add text"
+            )
 
     def __len__(self) -> int:
         return self.num_samples
 
     def __getitem__(self, i: int) -> torch.Tensor:
         start = i * self.seq_length
-        window = self.tokens[start:start + self.seq_length + 1].astype(np.int64)
+        window = self.tokens[start : start + self.seq_length + 1].astype(np.int64)
         return torch.from_numpy(window)
 
     def check_tokenizer(self, tokenizer_hash: str, vocab_size: int, field: str) -> None:
         if self.meta.get("tokenizer_hash") != tokenizer_hash:
-            raise UserError(f"{field}: the dataset was tokenized with a different tokenizer (hash "
-                            f"{str(self.meta.get('tokenizer_hash'))[:12]} vs {tokenizer_hash[:12]}): "
-                            f"re-run `meshformer preprocess` with the same tokenizer")
+            raise UserError(
+                f"{field}: the dataset was tokenized with a different tokenizer (hash "
+                f"{str(self.meta.get('tokenizer_hash'))[:12]} vs {tokenizer_hash[:12]}): "
+                f"re-run `meshformer preprocess` with the same tokenizer"
+            )
         if self.meta["vocab_size"] > vocab_size:
-            raise UserError(f"model.model_config.vocab_size={vocab_size} is smaller than the dataset's tokenizer "
-                            f"vocabulary ({self.meta['vocab_size']}): set vocab_size >= {self.meta['vocab_size']}")
+            raise UserError(
+                f"model.model_config.vocab_size={vocab_size} is smaller than the dataset's tokenizer "
+                f"vocabulary ({self.meta['vocab_size']}): set vocab_size >= {self.meta['vocab_size']}"
+            )
 
 
 class SampleOrder:
@@ -119,9 +132,9 @@ class GlobalBatches:
 
     def sample_ids(self, b: int) -> torch.Tensor:
         epoch, k = divmod(b, self.per_epoch)
-        ids = self.order.epoch_order(epoch)[k * self.gb:(k + 1) * self.gb]
+        ids = self.order.epoch_order(epoch)[k * self.gb : (k + 1) * self.gb]
         per_rank = self.gb // self.dp_size
-        return ids[self.dp_rank * per_rank:(self.dp_rank + 1) * per_rank]
+        return ids[self.dp_rank * per_rank : (self.dp_rank + 1) * per_rank]
 
     def batch(self, dataset: PackedDataset, b: int) -> torch.Tensor:
         """[samples_per_rank, seq_length + 1] token windows for global batch b."""

@@ -22,11 +22,9 @@ import hashlib
 import json
 import math
 import os
-import re
 import shutil
 import time
 from array import array
-from collections.abc import Iterator
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -35,87 +33,18 @@ from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
+from meshformer.data.documents import iter_documents, resolve_inputs
 from meshformer.data.tokenizer import load_tokenizer, special_token_ids, vocab_size
 from meshformer.errors import UserError
 
 # dataset.FORMAT, repeated so `meshformer preprocess` and `tokenizer train` don't import torch (1-2 s);
 # tests assert the two are equal.
 FORMAT = "meshformer-packed-v1"
-SUFFIXES = (".txt", ".jsonl")
 MIN_EXPECTED_VAL_DOCS = 10  # below this many expected validation documents, split each document by position
 BATCH_DOCS = 512  # documents per encode_batch call...
 BATCH_CHARS = 8 << 20  # ...or this many characters, whichever comes first (bounds memory with huge documents)
 
 SKIP, TRAIN, VAL = 0, 1, 2
-
-
-def resolve_inputs(files: list[str] | list[Path], flag: str = "--input") -> list[Path]:
-    if not files:
-        raise UserError(f"{flag}: no input files given: pass .txt or .jsonl files")
-    paths = []
-    for f in files:
-        p = Path(f)
-        if p.is_dir():
-            raise UserError(f"{flag}: {str(p)!r} is a directory: pass its files, e.g. {p}/*.txt")
-        if not p.is_file():
-            raise UserError(f"{flag}: {str(p)!r} does not exist")
-        if p.suffix.lower() not in SUFFIXES:
-            raise UserError(f"{flag}: {str(p)!r} has an unsupported suffix {p.suffix!r}: use .txt (one document "
-                            f"per file) or .jsonl (one {{\"text\": ...}} object per line)")
-        paths.append(p)
-    return paths
-
-
-def _read_text(path: Path) -> str:
-    try:
-        return path.read_text(encoding="utf-8")  # universal newlines: CRLF files tokenize like LF ones
-    except UnicodeDecodeError as e:
-        raise UserError(f"{path}: not UTF-8 text (bad byte at offset {e.start}): convert it, e.g. "
-                        f"`iconv -f latin1 -t utf-8`") from None
-
-
-def _iter_jsonl(path: Path, text_field: str) -> Iterator[tuple[str, str]]:
-    fix = f'each line must be one JSON object like {{"{text_field}": "..."}}'
-    try:
-        with path.open(encoding="utf-8") as fh:
-            for lineno, line in enumerate(fh, 1):
-                if not line.strip():
-                    continue
-                where = f"{path}:{lineno}"
-                try:
-                    obj = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise UserError(f"{where}: not valid JSON ({e.msg} at column {e.colno}): fix or delete "
-                                    f"that line; {fix}") from None
-                if not isinstance(obj, dict):
-                    raise UserError(f"{where}: a JSON {type(obj).__name__}, not an object: {fix}")
-                if text_field not in obj:
-                    keys = ", ".join(list(obj)[:8]) or "none"
-                    raise UserError(f"{where}: no {text_field!r} field (fields: {keys}): {fix}")
-                text = obj[text_field]
-                if not isinstance(text, str):
-                    raise UserError(f"{where}: field {text_field!r} is {type(text).__name__}, not a string: {fix}")
-                yield where, text
-    except UnicodeDecodeError as e:
-        raise UserError(f"{path}: not UTF-8 text (bad byte at offset {e.start}): convert it to UTF-8") from None
-
-
-def iter_documents(paths: list[Path], text_field: str = "text",
-                   split_blank_lines: bool = False) -> Iterator[tuple[str, str]]:
-    """(location, text) of every document, in input order; empty documents included (callers skip them).
-
-    .txt: the whole file is one document, or each blank-line-separated paragraph with split_blank_lines.
-    .jsonl: field `text_field` of each non-blank line.
-    """
-    for p in paths:
-        if p.suffix.lower() == ".jsonl":
-            yield from _iter_jsonl(p, text_field)
-        elif split_blank_lines:
-            paras = (para.strip() for para in re.split(r"\n[ \t]*\n", _read_text(p)))
-            # Runs of blank lines are layout, not empty documents: don't count them as skipped.
-            yield from ((f"{p}#{i}", para) for i, para in enumerate(paras) if para)
-        else:
-            yield str(p), _read_text(p)
 
 
 class _SplitWriter:
@@ -137,8 +66,11 @@ class _SplitWriter:
 
     def close(self) -> dict:
         self.fh.close()
-        np.save(self.idx_path, np.frombuffer(self.offsets, dtype=np.int64) if self.offsets
-                else np.zeros(0, dtype=np.int64), allow_pickle=False)
+        np.save(
+            self.idx_path,
+            np.frombuffer(self.offsets, dtype=np.int64) if self.offsets else np.zeros(0, dtype=np.int64),
+            allow_pickle=False,
+        )
         return {"tokens": self.tokens, "documents": len(self.offsets)}
 
 
@@ -146,8 +78,10 @@ def _check_output(out: Path, overwrite: bool) -> None:
     if out.exists() and not out.is_dir():
         raise UserError(f"--output={str(out)!r} is a file: give a directory")
     if out.is_dir() and any(out.iterdir()) and not overwrite:
-        raise UserError(f"--output={str(out)!r} already exists and is not empty: pass --overwrite to replace it, "
-                        f"or choose another directory")
+        raise UserError(
+            f"--output={str(out)!r} already exists and is not empty: pass --overwrite to replace it, "
+            f"or choose another directory"
+        )
 
 
 def _scan(paths, text_field, split_blank_lines, val_fraction, keep_duplicates) -> tuple[bytearray, dict]:
@@ -155,7 +89,7 @@ def _scan(paths, text_field, split_blank_lines, val_fraction, keep_duplicates) -
     decisions = bytearray()
     seen: set[bytes] = set()
     counts = {"read": 0, "empty": 0, "duplicates": 0}
-    threshold = int(val_fraction * 2.0 ** 64)
+    threshold = int(val_fraction * 2.0**64)
     for _, text in iter_documents(paths, text_field, split_blank_lines):
         counts["read"] += 1
         key = text.strip()
@@ -175,12 +109,27 @@ def _scan(paths, text_field, split_blank_lines, val_fraction, keep_duplicates) -
     return decisions, counts
 
 
-def _tokenize(tok, paths, decisions: bytearray, mode: str, val_fraction: float, writers: dict,
-              text_field: str, split_blank_lines: bool) -> None:
+def _tokenize(
+    tok,
+    paths,
+    decisions: bytearray,
+    mode: str,
+    val_fraction: float,
+    writers: dict,
+    text_field: str,
+    split_blank_lines: bool,
+) -> None:
     """Pass 2: encode the kept documents in batches and append them to their split (or both, in tail mode)."""
-    progress = Progress(TextColumn("tokenizing"), BarColumn(), MofNCompleteColumn(), TextColumn("documents"),
-                        TimeRemainingColumn(), console=Console(stderr=True),
-                        disable=not Console(stderr=True).is_terminal, transient=True)
+    progress = Progress(
+        TextColumn("tokenizing"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("documents"),
+        TimeRemainingColumn(),
+        console=Console(stderr=True),
+        disable=not Console(stderr=True).is_terminal,
+        transient=True,
+    )
     changed = UserError(f"--input: {', '.join(map(str, paths))} changed while being read: re-run")
     batch: list[tuple[str, int]] = []
     chars = done = 0
@@ -191,8 +140,8 @@ def _tokenize(tok, paths, decisions: bytearray, mode: str, val_fraction: float, 
             t = np.asarray(enc.ids, dtype=np.int64)
             if mode == "tail" and len(t) >= 2:
                 m = min(len(t) - 1, math.ceil(len(t) * val_fraction))  # >= 1 token each, train keeps >= 1
-                writers["train"].add(t[:len(t) - m])
-                writers["validation"].add(t[len(t) - m:])
+                writers["train"].add(t[: len(t) - m])
+                writers["validation"].add(t[len(t) - m :])
             else:
                 writers["validation" if mode == "document" and d == VAL else "train"].add(t)
         batch.clear()
@@ -217,10 +166,22 @@ def _tokenize(tok, paths, decisions: bytearray, mode: str, val_fraction: float, 
         progress.update(task, completed=done)
 
 
-def preprocess(inputs: list[str] | list[Path], tokenizer: str | Path, output: str | Path,
-               val_fraction: float = 0.02, keep_duplicates: bool = False, overwrite: bool = False,
-               text_field: str = "text", split_blank_lines: bool = False, console: Console | None = None) -> dict:
-    """Tokenize `inputs` into the packed dataset directory `output`; returns the summary (meta.json + timing)."""
+def preprocess(
+    inputs: list[str] | list[Path],
+    tokenizer: str | Path,
+    output: str | Path,
+    val_fraction: float = 0.02,
+    keep_duplicates: bool = False,
+    overwrite: bool = False,
+    text_field: str = "text",
+    split_blank_lines: bool = False,
+    console: Console | None = None,
+) -> dict:
+    """Tokenize `inputs` into the packed dataset directory `output`; returns the summary (meta.json + timing).
+
+    Steps: check the arguments -> load the tokenizer -> scan (dedup, split decisions) -> choose the split
+    mode -> tokenize into a hidden temporary directory -> write meta.json -> move it into place.
+    """
     t0 = time.perf_counter()
     console = console or Console()
     if not 0.0 <= val_fraction < 1.0:  # also rejects NaN
@@ -228,28 +189,11 @@ def preprocess(inputs: list[str] | list[Path], tokenizer: str | Path, output: st
     paths = resolve_inputs(inputs)
     out = Path(output)
     _check_output(out, overwrite)
-    tok = load_tokenizer(tokenizer)
-    tok_file = Path(tokenizer) / "tokenizer.json" if Path(tokenizer).is_dir() else Path(tokenizer)
-    tok_bytes = tok_file.read_bytes()  # copied from memory: --output may even be the tokenizer's directory
-    ids = special_token_ids(tok, tokenizer)
-    vocab = vocab_size(tok)
+    tok, tok_file, tok_bytes = _open_tokenizer(tokenizer)
+    ids, vocab = special_token_ids(tok, tokenizer), vocab_size(tok)
     dtype = np.dtype("<u2") if vocab <= 1 << 16 else np.dtype("<u4")
-    tok.no_padding()
-    tok.no_truncation()  # a foreign tokenizer.json may carry either; both would corrupt the stream
-    # Text that happens to contain "<|endoftext|>" must not become a real EOS in the middle of a document.
-    tok.encode_special_tokens = True
-
     decisions, counts = _scan(paths, text_field, split_blank_lines, val_fraction, keep_duplicates)
-    kept = sum(1 for d in decisions if d != SKIP)
-    if kept == 0:
-        raise UserError(f"--input: no text in {', '.join(map(str, paths))}: give files with text in them")
-    val_docs = decisions.count(VAL)
-    if val_fraction == 0:
-        mode = "none"
-    elif kept * val_fraction >= MIN_EXPECTED_VAL_DOCS and 0 < val_docs < kept:
-        mode = "document"
-    else:
-        mode = "tail"
+    mode = _split_mode(decisions, val_fraction, paths)
 
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
@@ -282,14 +226,7 @@ def preprocess(inputs: list[str] | list[Path], tokenizer: str | Path, output: st
             "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         }
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
-        _check_output(out, overwrite)  # again: something may have appeared there while we worked
-        if out.exists():
-            old = out.parent / f".{out.name}.old-{os.getpid()}"
-            out.rename(old)
-            tmp.rename(out)
-            shutil.rmtree(old)
-        else:
-            tmp.rename(out)
+        _publish(tmp, out, overwrite)
     finally:
         for w in writers.values():
             w.fh.close()  # no-op after close(); on failure, release the files before removing them
@@ -300,20 +237,67 @@ def preprocess(inputs: list[str] | list[Path], tokenizer: str | Path, output: st
     return summary
 
 
+def _open_tokenizer(tokenizer: str | Path):
+    """(tokenizer set up for raw packing, its file, its bytes). The bytes are read now: --output may even be
+    the tokenizer's directory, and the copy stored with the data must be the one that encoded it."""
+    tok = load_tokenizer(tokenizer)
+    tok_file = Path(tokenizer) / "tokenizer.json" if Path(tokenizer).is_dir() else Path(tokenizer)
+    tok_bytes = tok_file.read_bytes()
+    tok.no_padding()
+    tok.no_truncation()  # a foreign tokenizer.json may carry either; both would corrupt the stream
+    # Text that happens to contain "<|endoftext|>" must not become a real EOS in the middle of a document.
+    tok.encode_special_tokens = True
+    return tok, tok_file, tok_bytes
+
+
+def _split_mode(decisions: bytearray, val_fraction: float, paths: list[Path]) -> str:
+    """none (no validation), document (whole documents by hash) or tail (the end of every document)."""
+    kept = sum(1 for d in decisions if d != SKIP)
+    if kept == 0:
+        raise UserError(f"--input: no text in {', '.join(map(str, paths))}: give files with text in them")
+    val_docs = decisions.count(VAL)
+    if val_fraction == 0:
+        return "none"
+    if kept * val_fraction >= MIN_EXPECTED_VAL_DOCS and 0 < val_docs < kept:
+        return "document"
+    return "tail"
+
+
+def _publish(tmp: Path, out: Path, overwrite: bool) -> None:
+    """Move the finished dataset into place; an existing one is removed only after the new one is there."""
+    _check_output(out, overwrite)  # again: something may have appeared there while we worked
+    if out.exists():
+        old = out.parent / f".{out.name}.old-{os.getpid()}"
+        out.rename(old)
+        tmp.rename(out)
+        shutil.rmtree(old)
+    else:
+        tmp.rename(out)
+
+
 def _print_summary(console: Console, s: dict, tok_file: Path) -> None:
     tr, va = s["splits"]["train"], s["splits"]["validation"]
-    mode = {"document": "whole documents chosen by content hash",
-            "tail": f"last {s['val_fraction']:.1%} of every document's tokens",
-            "none": "none (--val-fraction 0)"}[s["split_mode"]]
+    mode = {
+        "document": "whole documents chosen by content hash",
+        "tail": f"last {s['val_fraction']:.1%} of every document's tokens",
+        "none": "none (--val-fraction 0)",
+    }[s["split_mode"]]
     dup = s["duplicates_found"]
     dup_style = "bold yellow" if dup else "green"
-    dup_what = ("none" if not dup else f"{dup} dropped" if s["duplicates_removed"] else
-                f"{dup} KEPT (--keep-duplicates): repeated text makes the loss look lower than it is")
+    dup_what = (
+        "none"
+        if not dup
+        else f"{dup} dropped"
+        if s["duplicates_removed"]
+        else f"{dup} KEPT (--keep-duplicates): repeated text makes the loss look lower than it is"
+    )
     p = lambda text: console.print(text, soft_wrap=True)  # noqa: E731 - paths must not wrap mid-line
     p(f"[bold]wrote {escape(s['output'])}[/bold] in {s['seconds']:.2f}s")
     p(f"  documents   {s['documents_read']} read, {s['empty_documents_skipped']} empty skipped")
     p(f"  duplicates  [{dup_style}]{dup} exact duplicate document(s) found: {dup_what}[/{dup_style}]")
     p(f"  train       {tr['tokens']:,} tokens in {tr['documents']} documents")
     p(f"  validation  {va['tokens']:,} tokens in {va['documents']} documents ({mode})")
-    p(f"  tokenizer   {escape(str(tok_file))} (vocab {s['vocab_size']}, eos id {s['eos_token_id']}, "
-      f"sha256 {s['tokenizer_hash'][:12]}), stored as {s['dtype']}")
+    p(
+        f"  tokenizer   {escape(str(tok_file))} (vocab {s['vocab_size']}, eos id {s['eos_token_id']}, "
+        f"sha256 {s['tokenizer_hash'][:12]}), stored as {s['dtype']}"
+    )

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
+from meshformer.data.documents import iter_documents, resolve_inputs
 from meshformer.errors import UserError
 
 EOS = "<|endoftext|>"
@@ -35,8 +36,16 @@ MAX_VOCAB = 1 << 22  # far above any real BPE vocabulary; catches a typo'd extra
 # Candidates for foreign tokenizers, most specific first. EOS prefers the *document* end token over chat-turn
 # ends: Qwen has both <|endoftext|> and <|im_end|>, Llama 3 both <|end_of_text|> and <|eot_id|>, and packing
 # pre-training documents wants the former.
-_EOS_CANDIDATES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eos|>", "<|im_end|>", "<|eot_id|>",
-                   "<|end|>")
+_EOS_CANDIDATES = (
+    "<|endoftext|>",
+    "<|end_of_text|>",
+    "</s>",
+    "<eos>",
+    "<|eos|>",
+    "<|im_end|>",
+    "<|eot_id|>",
+    "<|end|>",
+)
 _BOS_CANDIDATES = ("<|begin_of_text|>", "<s>", "<bos>", "<|bos|>", "<|startoftext|>")
 _PAD_CANDIDATES = ("<|pad|>", "<pad>", "<|finetune_right_pad_id|>", "[PAD]", "<|padding|>")
 
@@ -45,8 +54,10 @@ def _tokenizer_file(path: str | Path, field: str) -> Path:
     p = Path(path)
     f = p / "tokenizer.json" if p.is_dir() else p
     if not f.is_file():
-        raise UserError(f"{field}={str(path)!r}: no tokenizer.json there: create one with "
-                        f"`meshformer tokenizer train --input FILES --vocab-size N --output DIR`")
+        raise UserError(
+            f"{field}={str(path)!r}: no tokenizer.json there: create one with "
+            f"`meshformer tokenizer train --input FILES --vocab-size N --output DIR`"
+        )
     return f
 
 
@@ -57,8 +68,10 @@ def load_tokenizer(path: str | Path, field: str = "--tokenizer") -> Tokenizer:
         return Tokenizer.from_file(str(f))
     except Exception as e:  # the Rust side raises a bare Exception for bad JSON or an unknown model
         first = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise UserError(f"{field}={str(path)!r}: {f} is not a valid tokenizer.json ({first}): "
-                        f"re-create it with `meshformer tokenizer train`") from None
+        raise UserError(
+            f"{field}={str(path)!r}: {f} is not a valid tokenizer.json ({first}): "
+            f"re-create it with `meshformer tokenizer train`"
+        ) from None
 
 
 def tokenizer_hash(path: str | Path, field: str = "--tokenizer") -> str:
@@ -104,9 +117,11 @@ def special_token_ids(tok: Tokenizer, path: str | Path | None = None) -> dict:
 
     eos = find("eos", _EOS_CANDIDATES)
     if eos is None:
-        raise UserError(f"the tokenizer has no end-of-text token (looked for {', '.join(_EOS_CANDIDATES)}): "
-                        f"use one made by `meshformer tokenizer train`, or add `eos_token` to its "
-                        f"tokenizer_config.json")
+        raise UserError(
+            f"the tokenizer has no end-of-text token (looked for {', '.join(_EOS_CANDIDATES)}): "
+            f"use one made by `meshformer tokenizer train`, or add `eos_token` to its "
+            f"tokenizer_config.json"
+        )
     bos = find("bos", _BOS_CANDIDATES)
     pad = find("pad", _PAD_CANDIDATES)
     if pad is None and tok.padding is not None:
@@ -125,33 +140,49 @@ def _new_tokenizer() -> Tokenizer:
 
 def _hf_config() -> dict:
     """tokenizer_config.json so `transformers.AutoTokenizer.from_pretrained(DIR)` gets the special tokens."""
-    return {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": EOS, "eos_token": EOS, "pad_token": PAD,
-            "unk_token": None, "add_bos_token": False, "add_eos_token": False, "clean_up_tokenization_spaces": False,
-            "additional_special_tokens": [IM_START, IM_END]}
+    return {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": EOS,
+        "eos_token": EOS,
+        "pad_token": PAD,
+        "unk_token": None,
+        "add_bos_token": False,
+        "add_eos_token": False,
+        "clean_up_tokenization_spaces": False,
+        "additional_special_tokens": [IM_START, IM_END],
+    }
 
 
-def train_tokenizer(files: list[str], vocab_size: int, output_dir: str | Path, overwrite: bool = False,
-                    text_field: str = "text", show_progress: bool | None = None) -> Path:
+def train_tokenizer(
+    files: list[str],
+    vocab_size: int,
+    output_dir: str | Path,
+    overwrite: bool = False,
+    text_field: str = "text",
+    show_progress: bool | None = None,
+) -> Path:
     """Train a byte-level BPE of `vocab_size` ids (special tokens included) and write output_dir/tokenizer.json.
 
     Inputs are read like `meshformer preprocess` reads them (.txt whole files, .jsonl `text_field`), so a
     tokenizer never learns JSON syntax. A small corpus may support fewer merges: the vocabulary is then smaller
     than asked (see `vocab_size(load_tokenizer(...))`).
     """
-    from meshformer.data.preprocess import iter_documents, resolve_inputs  # preprocess imports this module
-
     if not MIN_VOCAB <= vocab_size <= MAX_VOCAB:
-        raise UserError(f"--vocab-size={vocab_size}: must be between {MIN_VOCAB} (256 bytes + "
-                        f"{len(SPECIAL_TOKENS)} special tokens) and {MAX_VOCAB}; 2048-8192 suits a small corpus, "
-                        f"32000-128000 a large one")
+        raise UserError(
+            f"--vocab-size={vocab_size}: must be between {MIN_VOCAB} (256 bytes + "
+            f"{len(SPECIAL_TOKENS)} special tokens) and {MAX_VOCAB}; 2048-8192 suits a small corpus, "
+            f"32000-128000 a large one"
+        )
     paths = resolve_inputs(files)
     out = Path(output_dir)
     target = out / "tokenizer.json"
     if out.exists() and not out.is_dir():
         raise UserError(f"--output={str(out)!r} is a file: give a directory")
     if target.exists() and not overwrite:
-        raise UserError(f"--output={str(out)!r} already holds a tokenizer.json: pass --overwrite to replace it, "
-                        f"or choose another directory")
+        raise UserError(
+            f"--output={str(out)!r} already holds a tokenizer.json: pass --overwrite to replace it, "
+            f"or choose another directory"
+        )
 
     if show_progress is None:
         show_progress = sys.stderr.isatty()
@@ -160,7 +191,8 @@ def train_tokenizer(files: list[str], vocab_size: int, output_dir: str | Path, o
         min_frequency=2,  # a pair seen once is noise, not a reusable piece
         special_tokens=list(SPECIAL_TOKENS),  # listed first, so they get ids 0..3
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),  # all 256 bytes, even those absent from the corpus
-        show_progress=show_progress)
+        show_progress=show_progress,
+    )
     tok = _new_tokenizer()
     chars = 0
 

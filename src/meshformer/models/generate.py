@@ -34,8 +34,15 @@ def top_p_filter(logits: torch.Tensor, p: float) -> torch.Tensor:
     return logits.masked_fill(drop, float("-inf"))
 
 
-def next_token(logits: torch.Tensor, *, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
-               greedy: bool = False, generator: torch.Generator | None = None) -> int:
+def next_token(
+    logits: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    greedy: bool = False,
+    generator: torch.Generator | None = None,
+) -> int:
     """Pick one token id from a 1-D logits vector."""
     logits = logits.float()
     if greedy or temperature == 0:
@@ -48,16 +55,27 @@ def next_token(logits: torch.Tensor, *, temperature: float = 1.0, top_p: float =
 
 
 @torch.no_grad()
-def generate(model, prompt_ids: list[int] | torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
-             top_p: float = 1.0, top_k: int = 0, greedy: bool = False, eos_id: int | None = None,
-             generator: torch.Generator | None = None) -> list[int]:
+def generate(
+    model,
+    prompt_ids: list[int] | torch.Tensor,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    greedy: bool = False,
+    eos_id: int | None = None,
+    generator: torch.Generator | None = None,
+) -> list[int]:
     """Continue `prompt_ids` by up to `max_new_tokens` tokens; returns the new tokens only.
 
     Stops early after emitting `eos_id` (which is included in the result). temperature 0 means greedy.
     Pass a seeded `generator` for reproducible sampling.
     """
-    ids = torch.as_tensor(prompt_ids, dtype=torch.long).flatten().tolist() \
-        if isinstance(prompt_ids, torch.Tensor) else [int(t) for t in prompt_ids]
+    ids = (
+        torch.as_tensor(prompt_ids, dtype=torch.long).flatten().tolist()
+        if isinstance(prompt_ids, torch.Tensor)
+        else [int(t) for t in prompt_ids]
+    )
     if not ids:
         raise ValueError("generate: the prompt must contain at least one token")
     if temperature < 0:
@@ -76,8 +94,9 @@ def generate(model, prompt_ids: list[int] | torch.Tensor, max_new_tokens: int, t
         logits = model(torch.tensor([ids], device=device), cache)[0, -1]
         out: list[int] = []
         while True:
-            tok = next_token(logits, temperature=temperature, top_p=top_p, top_k=top_k, greedy=greedy,
-                             generator=generator)
+            tok = next_token(
+                logits, temperature=temperature, top_p=top_p, top_k=top_k, greedy=greedy, generator=generator
+            )
             out.append(tok)
             if tok == eos_id or len(out) == max_new_tokens:
                 return out

@@ -14,7 +14,8 @@ import torch
 from torch import nn
 
 from meshformer.config.schema import ModelConfig
-from meshformer.models.llama import DTYPE, RMSNorm, RopeTables, Transformer
+from meshformer.dtypes import DTYPE
+from meshformer.models.llama import RMSNorm, RopeTables, Transformer
 
 # Wrapper prefixes that activation checkpointing and torch.compile add to parameter names.
 WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
@@ -52,6 +53,7 @@ def init_weights(model: nn.Module, seed: int, dtype: torch.dtype | None = None) 
             full = full.to(dtype)
         if hasattr(p, "device_mesh"):  # DTensor: keep this rank's slice of the full tensor
             from torch.distributed.tensor import distribute_tensor
+
             local = distribute_tensor(full.to(p.device), p.device_mesh, p.placements, src_data_rank=None).to_local()
             p.to_local().copy_(local)
         else:

@@ -17,9 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from meshformer.config.schema import ModelConfig
-from meshformer.config.validate import head_dim, intermediate_size, kv_heads
-
-DTYPE = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+from meshformer.dtypes import DTYPE
 
 
 class RMSNorm(nn.Module):
@@ -42,7 +40,7 @@ class RMSNorm(nn.Module):
 
 def rope_inv_freq(mc: ModelConfig) -> torch.Tensor:
     """Rotary inverse frequencies, with optional llama3 frequency-dependent scaling."""
-    d = head_dim(mc)
+    d = mc.dim_per_head
     inv_freq = 1.0 / (mc.theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
     rs = mc.rope_scaling
     if rs.type == "llama3":
@@ -50,7 +48,8 @@ def rope_inv_freq(mc: ModelConfig) -> torch.Tensor:
         high_wavelen = rs.original_max_position_embeddings / rs.high_freq_factor
         wavelen = 2 * math.pi / inv_freq
         smooth = (rs.original_max_position_embeddings / wavelen - rs.low_freq_factor) / (
-            rs.high_freq_factor - rs.low_freq_factor)
+            rs.high_freq_factor - rs.low_freq_factor
+        )
         scaled = torch.where(wavelen > low_wavelen, inv_freq / rs.factor, inv_freq)
         mid = (1 - smooth) * inv_freq / rs.factor + smooth * inv_freq
         is_mid = (wavelen <= low_wavelen) & (wavelen >= high_wavelen)
@@ -84,8 +83,8 @@ class RopeTables(nn.Module):
         super().__init__()
         self.config = mc
         self.dtype = DTYPE[mc.rotary_dtype]
-        self.register_buffer("cos", torch.empty(mc.seq_length, head_dim(mc), dtype=self.dtype), persistent=False)
-        self.register_buffer("sin", torch.empty(mc.seq_length, head_dim(mc), dtype=self.dtype), persistent=False)
+        self.register_buffer("cos", torch.empty(mc.seq_length, mc.dim_per_head, dtype=self.dtype), persistent=False)
+        self.register_buffer("sin", torch.empty(mc.seq_length, mc.dim_per_head, dtype=self.dtype), persistent=False)
 
     def reset_parameters(self) -> None:
         """Fill the tables (after the model moved off the meta device)."""
@@ -95,7 +94,7 @@ class RopeTables(nn.Module):
 
     def slice(self, start: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         if start + length <= self.cos.shape[0]:
-            return self.cos[start:start + length], self.sin[start:start + length]
+            return self.cos[start : start + length], self.sin[start : start + length]
         positions = torch.arange(start, start + length, device=self.cos.device)  # generation past seq_length
         return rope_cos_sin(self.config, positions, self.dtype)
 
@@ -110,15 +109,15 @@ class KVCache:
 
     def update(self, idx: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         end = self.pos + k.shape[2]
-        self.k[idx][:, :, self.pos:end] = k
-        self.v[idx][:, :, self.pos:end] = v
+        self.k[idx][:, :, self.pos : end] = k
+        self.v[idx][:, :, self.pos : end] = v
         return self.k[idx][:, :, :end], self.v[idx][:, :, :end]
 
 
 class Attention(nn.Module):
     def __init__(self, mc: ModelConfig):
         super().__init__()
-        self.n_heads, self.n_kv, self.hd = mc.num_heads, kv_heads(mc), head_dim(mc)
+        self.n_heads, self.n_kv, self.hd = mc.num_heads, mc.num_kv_heads, mc.dim_per_head
         self.q_proj = nn.Linear(mc.hidden_size, self.n_heads * self.hd, bias=mc.qkv_has_bias)
         self.k_proj = nn.Linear(mc.hidden_size, self.n_kv * self.hd, bias=mc.qkv_has_bias)
         self.v_proj = nn.Linear(mc.hidden_size, self.n_kv * self.hd, bias=mc.qkv_has_bias)
@@ -155,7 +154,7 @@ class MLP(nn.Module):
 
     def __init__(self, mc: ModelConfig):
         super().__init__()
-        ffn = intermediate_size(mc)
+        ffn = mc.ffn_hidden_size
         self.gate_proj = nn.Linear(mc.hidden_size, ffn, bias=False)
         self.up_proj = nn.Linear(mc.hidden_size, ffn, bias=False)
         self.down_proj = nn.Linear(ffn, mc.hidden_size, bias=False)
@@ -209,10 +208,38 @@ class Transformer(nn.Module):
             h = F.linear(h, self.embed_tokens.weight)
         return h
 
+    def tp_plan(self) -> dict[str, str]:
+        """How tensor parallelism splits this family: module-path globs -> style names (parallel/tp.py says what
+        each name does). Megatron's recipe: q/k/v and gate/up column-parallel, o and down row-parallel, so each
+        sub-block needs one reduction; embedding and head split by vocabulary; norms replicated. Modules this
+        piece lacks (a pipeline stage, no q/k norm) are skipped."""
+        layer = {
+            "input_layernorm": "norm",
+            "self_attn": "gather_sequence",  # attention needs every position of the sequence
+            "self_attn.q_proj": "colwise",
+            "self_attn.k_proj": "colwise",
+            "self_attn.v_proj": "colwise",
+            "self_attn.o_proj": "rowwise",
+            "self_attn.q_norm": "head_norm",
+            "self_attn.k_norm": "head_norm",
+            "post_attention_layernorm": "norm",
+            "mlp": "gather_sequence",
+            "mlp.gate_proj": "colwise",
+            "mlp.up_proj": "colwise",
+            "mlp.down_proj": "rowwise",
+        }
+        return {
+            "embed_tokens": "vocab_embedding",
+            # Tied weights: the output projection is F.linear(h, embed_tokens.weight) in forward (see above).
+            "norm": "norm_to_head" if self.config.tie_word_embeddings else "norm",
+            "lm_head": "vocab_head",
+            **{f"layers.*.{path}": style for path, style in layer.items()},
+        }
+
     def new_kv_cache(self, batch: int, max_len: int) -> KVCache:
         p = next(self.parameters())
         mc = self.config
-        return KVCache(mc.num_layers, batch, kv_heads(mc), max_len, head_dim(mc), p.dtype, p.device)
+        return KVCache(mc.num_layers, batch, mc.num_kv_heads, max_len, mc.dim_per_head, p.dtype, p.device)
 
 
 def num_params(model: nn.Module, exclude_embedding: bool = False) -> int:

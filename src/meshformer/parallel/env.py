@@ -1,14 +1,8 @@
-"""The process layout: turns `parallel_config` into a DeviceMesh. The only module that does rank arithmetic.
+"""The runtime half of the layout: process group, DeviceMesh and collectives, built from `ParallelDims`.
 
-Mesh dims, outermost first: ("pp", "dp_replicate", "dp_shard", "tp"). Tensor parallel is innermost so its
-ranks are neighbours (same node, fastest links: it communicates every layer); pipeline is outermost (it only
-sends activations between stages, so it tolerates slow links between nodes). Data parallel sits between and
-is split in two for optimizer sharding: `dp_shard` ranks shard parameters/gradients/optimizer states (FSDP)
-and `dp_replicate` ranks hold copies (HSDP); without sharding dp_shard is 1. The flattened `dp` dim
-(dp_replicate x dp_shard) is the data-parallel group that sums token counts and losses. Context and expert
-parallel are reserved (the schema only accepts 1), they would join as further named dims.
-
-Single-process runs (no torchrun) get a ParallelEnv with every degree 1 and no process group.
+`dims.py` does all the rank arithmetic (and is tested without processes); this module only starts the
+process group, asks torch for the mesh of `dims.mesh_shape`, and checks that torch placed this rank where
+`dims.coords` says. Single-process runs (no torchrun) get a ParallelEnv with every degree 1 and no process group.
 """
 
 from __future__ import annotations
@@ -21,42 +15,36 @@ import torch
 import torch.distributed as dist
 
 from meshformer.config.schema import MeshformerConfig
-from meshformer.config.validate import V_SCHEDULES, validate_run
 from meshformer.errors import UserError
-
-MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
-
-
-def shard_degree(cfg: MeshformerConfig) -> int:
-    """Size of the optimizer-shard (FSDP) group; 1 means plain replicated data parallel (DDP)."""
-    pc = cfg.parallel_config
-    op = cfg.optimizer.optimizer_parallel
-    if op > 0:
-        return op
-    if pc.optimizer_shard or cfg.parallel.enable_parallel_optimizer:
-        return pc.data_parallel
-    return 1
+from meshformer.parallel.dims import MESH_DIMS, ParallelDims
 
 
 @dataclass
 class ParallelEnv:
-    world_size: int = 1
+    dims: ParallelDims = field(default_factory=ParallelDims)
     rank: int = 0
     local_rank: int = 0
     device: torch.device = torch.device("cpu")
-    dp_size: int = 1
-    dp_rank: int = 0
-    tp_size: int = 1
-    tp_rank: int = 0
-    pp_size: int = 1
-    pp_rank: int = 0
-    last_stage_pp_rank: int = 0  # pp rank holding the last pipeline stage (0 under V schedules)
-    dp_shard_size: int = 1      # FSDP shard group size (1: no optimizer sharding)
-    dp_replicate_size: int = 1  # HSDP / DDP replicas (dp_size // dp_shard_size)
     backend: str = ""
-    mesh: object | None = None  # torch.distributed DeviceMesh, dims MESH_DIMS plus the flattened "dp"
-    coords: dict = field(default_factory=dict)
+    mesh: object | None = None  # torch.distributed DeviceMesh over MESH_DIMS
     dp_mesh: object | None = None  # the flattened (dp_replicate x dp_shard) mesh, kept here rather than re-sliced
+    coords: dict = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.coords = self.dims.coords(self.rank)
+
+    # Degrees and this rank's coordinates, all read from dims (the one place that computes them).
+    world_size = property(lambda self: self.dims.world_size)
+    dp_size = property(lambda self: self.dims.dp)
+    tp_size = property(lambda self: self.dims.tp)
+    pp_size = property(lambda self: self.dims.pp)
+    dp_shard_size = property(lambda self: self.dims.dp_shard)
+    dp_replicate_size = property(lambda self: self.dims.dp_replicate)
+    sharded = property(lambda self: self.dims.sharded)
+    last_stage_pp_rank = property(lambda self: self.dims.last_stage_pp_rank)
+    dp_rank = property(lambda self: self.coords["dp"])
+    tp_rank = property(lambda self: self.coords["tp"])
+    pp_rank = property(lambda self: self.coords["pp"])
 
     @property
     def distributed(self) -> bool:
@@ -65,16 +53,12 @@ class ParallelEnv:
     @property
     def is_metrics_rank(self) -> bool:
         """The rank that logs and writes metrics: last pipeline stage, first data-parallel and tensor rank."""
-        return self.pp_rank == self.last_stage_pp_rank and self.dp_rank == 0 and self.tp_rank == 0
+        return self.dims.is_metrics_rank(self.rank)
 
     @property
     def grad_average_size(self) -> int:
         """How many ranks gradient reduction averages over (the loss is pre-multiplied by it)."""
         return self.dp_size
-
-    @property
-    def sharded(self) -> bool:
-        return self.dp_shard_size > 1
 
     def submesh(self, *names: str):
         return self.mesh[names[0]] if len(names) == 1 else self.mesh[names]
@@ -106,16 +90,30 @@ class ParallelEnv:
             dist.destroy_process_group()
 
     def describe(self) -> str:
-        c = " ".join(f"{k}={v}" for k, v in self.coords.items())
+        order = ("pp", "dp", "tp", *(n for n in MESH_DIMS if n not in ("pp", "tp")))  # the user's dims first
+        c = " ".join(f"{k}={self.coords[k]}" for k in order)
         return f"rank {self.rank}/{self.world_size} backend={self.backend or 'none'} device={self.device} {c}".rstrip()
 
 
-def _device() -> torch.device:
+def local_device() -> torch.device:
+    """This process's device: the GPU of its LOCAL_RANK when there are GPUs, else the CPU."""
     if torch.cuda.is_available():
         local = int(os.environ.get("LOCAL_RANK", "0"))
         torch.cuda.set_device(local)
         return torch.device("cuda", local)
     return torch.device("cpu")
+
+
+def backend_for(device: torch.device) -> str:
+    """NCCL for GPU tensors with gloo beside it for CPU ones (object collectives, CPU-side checks); gloo on CPU."""
+    return "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
+
+
+def start_process_group(device: torch.device, timeout_s: float) -> None:
+    """init_process_group once per process (tests run several layouts on one group)."""
+    if not dist.is_initialized():
+        # The timeout turns a dead or stuck rank into an error on the others instead of a hang.
+        dist.init_process_group(backend=backend_for(device), timeout=datetime.timedelta(seconds=timeout_s))
 
 
 def init_parallel(cfg: MeshformerConfig, world_size: int | None = None) -> ParallelEnv:
@@ -126,33 +124,29 @@ def init_parallel(cfg: MeshformerConfig, world_size: int | None = None) -> Paral
     group and builds a new mesh for the new layout.
     """
     world = int(os.environ.get("WORLD_SIZE", "1")) if world_size is None else world_size
-    validate_run(cfg, world)
-    pc = cfg.parallel_config
-    dp, tp, pp = pc.data_parallel, pc.model_parallel, pc.pipeline_stage
-    shard = shard_degree(cfg)
+    dims = ParallelDims.from_config(cfg, world)
+    device = local_device()
     if world == 1:
-        return ParallelEnv(device=_device(), dp_shard_size=1)
-
-    device = _device()
-    backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
-    if not dist.is_initialized():
-        # The timeout turns a dead or stuck rank into an error on the others instead of a hang.
-        dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=cfg.comm_timeout))
+        return ParallelEnv(dims=dims, device=device)
+    start_process_group(device, cfg.comm_timeout)
     if dist.get_world_size() != world:
-        raise UserError(f"WORLD_SIZE={world} but the process group has {dist.get_world_size()} ranks: "
-                        f"launch with torchrun --nproc-per-node {world}")
+        raise UserError(
+            f"WORLD_SIZE={world} but the process group has {dist.get_world_size()} ranks: "
+            f"launch with torchrun --nproc-per-node {world}"
+        )
     from torch.distributed.device_mesh import init_device_mesh
 
-    shape = (pp, dp // shard, shard, tp)
-    mesh = init_device_mesh(device.type, shape, mesh_dim_names=MESH_DIMS)
-    dp_mesh = mesh["dp_replicate", "dp_shard"]._flatten("dp")
-    coord = dict(zip(MESH_DIMS, mesh.get_coordinate()))
-    dp_rank = coord["dp_replicate"] * shard + coord["dp_shard"]
-    env = ParallelEnv(world_size=world, rank=dist.get_rank(), local_rank=int(os.environ.get("LOCAL_RANK", "0")),
-                      device=device, dp_size=dp, dp_rank=dp_rank, tp_size=tp, tp_rank=coord["tp"],
-                      pp_size=pp, pp_rank=coord["pp"], last_stage_pp_rank=0 if pc.pipeline_schedule in V_SCHEDULES else pp - 1,
-                      dp_shard_size=shard, dp_replicate_size=dp // shard,
-                      backend=dist.get_backend(), mesh=mesh, dp_mesh=dp_mesh,
-                      coords={"pp": coord["pp"], "dp": dp_rank, "tp": coord["tp"],
-                              "dp_replicate": coord["dp_replicate"], "dp_shard": coord["dp_shard"]})
+    mesh = init_device_mesh(device.type, dims.mesh_shape, mesh_dim_names=MESH_DIMS)
+    env = ParallelEnv(
+        dims=dims,
+        rank=dist.get_rank(),
+        local_rank=int(os.environ.get("LOCAL_RANK", "0")),
+        device=device,
+        backend=dist.get_backend(),
+        mesh=mesh,
+        dp_mesh=mesh["dp_replicate", "dp_shard"]._flatten("dp"),
+    )
+    placed = dict(zip(MESH_DIMS, mesh.get_coordinate()))
+    if placed != {n: env.coords[n] for n in MESH_DIMS}:  # dims.coords must describe torch's layout exactly
+        raise RuntimeError(f"rank {env.rank}: DeviceMesh put it at {placed}, ParallelDims computed {env.coords}")
     return env

@@ -4,9 +4,7 @@
 micro-batches and a loss scale; it runs forward and backward (accumulating, or through a pipeline schedule)
 and returns the summed (unscaled) token loss. The trainer never looks inside.
 
-`parallelize` composes the techniques on a meta-device model, in this order: pipeline split (which pieces
-this rank holds) -> tensor parallel (DTensor plans) -> activation recompute (wraps layers) -> data parallel
-or FSDP (wraps layers, then the piece). Nothing is allocated until the trainer calls `materialize`.
+`parallel/parallelize.py` builds it; `train/step.py` drives it.
 """
 
 from __future__ import annotations
@@ -19,10 +17,9 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from meshformer.config.schema import MeshformerConfig
-from meshformer.models.llama import DTYPE
-from meshformer.parallel.data_parallel import apply_data_parallel, set_grad_sync
+from meshformer.dtypes import DTYPE
+from meshformer.parallel.data_parallel import set_grad_sync
 from meshformer.parallel.env import ParallelEnv
-from meshformer.parallel.recompute import apply_recompute
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (logits, labels) -> summed token loss
 
@@ -61,10 +58,13 @@ class ModelParts:
         """Under tensor parallelism the logits stay vocab-sharded and cross-entropy runs on the shards."""
         if self.env.tp_size > 1:
             from torch.distributed.tensor.parallel import loss_parallel
+
             return loss_parallel()
         return contextlib.nullcontext()
 
-    def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor, n_micro: int, loss_scale: float) -> torch.Tensor:
+    def forward_backward(
+        self, inputs: torch.Tensor, labels: torch.Tensor, n_micro: int, loss_scale: float
+    ) -> torch.Tensor:
         """inputs/labels: [n_micro * micro_batch, seq]. Backward of sum_loss * loss_scale per micro-batch.
 
         Returns the detached summed token loss over all micro-batches (before scaling).
@@ -121,23 +121,3 @@ def _grad_groups(params) -> dict:
         key = (g.device_mesh, tuple(g.placements)) if isinstance(g, DTensor) else None
         groups.setdefault(key, []).append(g)
     return groups
-
-
-def parallelize(model: nn.Module, cfg: MeshformerConfig, env: ParallelEnv, loss_fn: LossFn) -> ModelParts:
-    """Apply the configured parallelism to a meta-device model; returns the parts this rank holds (still meta)."""
-    pc, mc = cfg.parallel_config, cfg.model.model_config
-    if env.pp_size > 1:
-        from meshformer.parallel.pipeline import split_pipeline
-        pieces = split_pipeline(model, cfg, env.pp_rank)
-    else:
-        pieces = [(0, model)]
-    for _, part in pieces:
-        if env.tp_size > 1:
-            from meshformer.parallel.tp import apply_tp
-            apply_tp(part, env.submesh("tp"), pc.use_seq_parallel, mc.tie_word_embeddings)
-        apply_recompute(part, cfg.recompute_config.recompute, stage_index=env.pp_rank)
-        apply_data_parallel(part, cfg, env)
-    if env.pp_size > 1:
-        from meshformer.parallel.pipeline_parts import PipelineParts
-        return PipelineParts([p for _, p in pieces], [s for s, _ in pieces], cfg, env, loss_fn)
-    return ModelParts([model], cfg, env, loss_fn)

@@ -20,8 +20,9 @@ class PipelineParts(ModelParts):
     weights), with scale_grads=False: the loss function already carries the global-token normalisation.
     """
 
-    def __init__(self, parts: list[nn.Module], stage_ids: list[int], cfg: MeshformerConfig, env: ParallelEnv,
-                 loss_fn: LossFn):
+    def __init__(
+        self, parts: list[nn.Module], stage_ids: list[int], cfg: MeshformerConfig, env: ParallelEnv, loss_fn: LossFn
+    ):
         super().__init__(parts, cfg, env, loss_fn)
         self.stage_ids = stage_ids
         self.n_stages = num_stages(cfg)
@@ -39,12 +40,15 @@ class PipelineParts(ModelParts):
     def schedule(self, n_micro: int):
         if n_micro not in self._schedules:
             group = self.env.group("pp")
-            stages = [PipelineStage(part, sid, self.n_stages, self.env.device, group=group)
-                      for part, sid in zip(self.parts, self.stage_ids)]
+            stages = [
+                PipelineStage(part, sid, self.n_stages, self.env.device, group=group)
+                for part, sid in zip(self.parts, self.stage_ids)
+            ]
             cls = SCHEDULES[self.cfg.parallel_config.pipeline_schedule]
             multi = issubclass(cls, torch.distributed.pipelining.schedules.PipelineScheduleMulti)
-            self._schedules[n_micro] = cls(stages if multi else stages[0], n_microbatches=n_micro,
-                                           loss_fn=self._pp_loss, scale_grads=False)
+            self._schedules[n_micro] = cls(
+                stages if multi else stages[0], n_microbatches=n_micro, loss_fn=self._pp_loss, scale_grads=False
+            )
         return self._schedules[n_micro]
 
     def forward_backward(self, inputs, labels, n_micro: int, loss_scale: float) -> torch.Tensor:
@@ -79,8 +83,10 @@ class PipelineParts(ModelParts):
         sched = self._schedules[n_micro]
         stages = {st.stage_index: st for st in getattr(sched, "_stages", None) or [sched._stage]}
         if inputs.shape[0] % rows:
-            raise ValueError(f"pipeline eval batch of {inputs.shape[0]} rows is not a multiple of the "
-                             f"training micro-batch ({rows} rows)")
+            raise ValueError(
+                f"pipeline eval batch of {inputs.shape[0]} rows is not a multiple of the "
+                f"training micro-batch ({rows} rows)"
+            )
         total = torch.zeros((), device=self.env.device, dtype=torch.float32)
         with self.loss_context(), self.autocast():
             for x, y in zip(inputs.split(rows), labels.split(rows)):

@@ -1,21 +1,36 @@
-"""Tensor parallelism (`model_parallel`) with torch.distributed.tensor.parallel (Megatron-style plan).
+"""Tensor parallelism (`model_parallel`) with torch.distributed.tensor.parallel: the generic appliers.
 
-Per decoder layer: q/k/v and gate/up are column-parallel (each rank computes a slice of the heads / of the
-SwiGLU width), o and down are row-parallel (partial sums all-reduced, or reduce-scattered along the sequence
-under sequence parallelism). The embedding is split by vocabulary rows; the output projection by vocabulary
-columns and its logits stay sharded for `loss_parallel` (the full [tokens, vocab] logits never exist on one
-rank). Every remaining parameter (the RMSNorm weights, q/k norms) becomes a Replicate DTensor so that all
-parameters are DTensors: AdamW's foreach kernels and the grad-norm reduction then see one kind of tensor.
+What to shard is the model family's decision: a model declares a plan, `{module-path glob: style name}` (see
+`Transformer.tp_plan` in models/llama.py), with no torch.distributed in it. `apply_tp` turns each style name
+into a torch ParallelStyle (the Megatron recipe) and applies it:
+
+  colwise          weight split by output features; input replicated, output sharded on the last dim
+  rowwise          weight split by input features; partial sums all-reduced (reduce-scattered along the
+                   sequence under sequence parallelism)
+  vocab_embedding  embedding split by vocabulary rows; output replicated (sequence-sharded under SP)
+  vocab_head       output projection split by vocabulary; logits stay sharded for `loss_parallel`, so the
+                   full [tokens, vocab] logits never exist on one rank
+  norm             replicated-weight norm on the residual stream; local output
+  norm_to_head     as norm, but hands a replicated DTensor on (a tied output projection is F.linear with the
+                   embedding's DTensor weight, which then yields vocab-sharded logits)
+  head_norm        per-head norm (q/k norm) over the heads this rank holds
+  gather_sequence  a module that needs the whole sequence (attention, MLP): under sequence parallelism its first
+                   input is all-gathered from sequence shards; nothing otherwise
+
+A module that a model transform wrapped (a LoRA linear around q_proj, say) still gets its plan: when the module
+at a planned path defines `tp_subplan(style) -> {relative path: style}`, the applier plans its pieces instead.
+Every parameter must end up a DTensor (norms as Replicate), so AdamW's foreach kernels and the grad-norm
+reduction see one kind of tensor; a parameter the plan misses is an error, not a silent replica.
 """
 
 from __future__ import annotations
 
+import fnmatch
 from functools import partial
 
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
-from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, PrepareModuleInput,
-                                               RowwiseParallel, parallelize_module)
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 
 
 class NormParallel(ParallelStyle):
@@ -48,49 +63,76 @@ class NormParallel(ParallelStyle):
         return out.redistribute(placements=[self.out_placement])
 
     def _apply(self, module: nn.Module, mesh) -> nn.Module:
-        return distribute_module(module, mesh, self._params, partial(NormParallel._in, self),
-                                 partial(NormParallel._out, self))
+        return distribute_module(
+            module, mesh, self._params, partial(NormParallel._in, self), partial(NormParallel._out, self)
+        )
 
 
-def apply_tp(model: nn.Module, tp_mesh, seq_parallel: bool, tied: bool) -> None:
-    """Shard a (meta-device, possibly pipeline-trimmed) Transformer over `tp_mesh` in place."""
+class GatherSequence(ParallelStyle):
+    """All-gather the first input from sequence shards (Shard(1)) to the whole sequence, as a local tensor.
+
+    Only the first positional input is an activation; the rest (rotary tables, cache, indices) pass untouched,
+    so the module's signature does not matter (PrepareModuleInput needs a layout for every argument).
+    """
+
+    def _apply(self, module: nn.Module, mesh) -> nn.Module:
+        def gather(mod, args):
+            x = DTensor.from_local(args[0], mesh, [Shard(1)], run_check=False)
+            return (x.redistribute(placements=[Replicate()]).to_local(), *args[1:])
+
+        module.register_forward_pre_hook(gather)
+        return module
+
+
+def make_style(name: str, seq_parallel: bool) -> ParallelStyle | None:
+    """The torch ParallelStyle of a plan's style name (None: nothing to do in this configuration)."""
     seq = Shard(1) if seq_parallel else Replicate()
-    top = {}
-    if model.embed_tokens is not None:
-        top["embed_tokens"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=seq)
-    if model.norm is not None:
-        # Tied weights: the output projection is F.linear(h, embed_tokens.weight) in the model's forward, so the
-        # norm hands over a replicated DTensor and DTensor's linear gives vocab-sharded logits.
-        top["norm"] = NormParallel(seq, Replicate() if tied else None)
-    if model.lm_head is not None:
-        top["lm_head"] = ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1), use_local_output=False)
-    if top:
-        parallelize_module(model, tp_mesh, top)
-    for layer in model.layers.values():
-        plan = {
-            "input_layernorm": NormParallel(seq),
-            "self_attn.q_proj": ColwiseParallel(),
-            "self_attn.k_proj": ColwiseParallel(),
-            "self_attn.v_proj": ColwiseParallel(),
-            "self_attn.o_proj": RowwiseParallel(output_layouts=seq),
-            "post_attention_layernorm": NormParallel(seq),
-            "mlp.gate_proj": ColwiseParallel(),
-            "mlp.up_proj": ColwiseParallel(),
-            "mlp.down_proj": RowwiseParallel(output_layouts=seq),
-        }
-        if seq_parallel:
-            # Attention and MLP need the whole sequence: all-gather it on the way in (rope slices by length).
-            # self_attn is called as (x, rope, start, cache, layer_idx): only x is a tensor to lay out.
-            plan["self_attn"] = PrepareModuleInput(input_layouts=(Shard(1), None, None, None, None),
-                                                   desired_input_layouts=(Replicate(), None, None, None, None),
-                                                   use_local_output=True)
-            plan["mlp"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
-                                             use_local_output=True)
-        if layer.self_attn.q_norm is not None:
-            plan["self_attn.q_norm"] = NormParallel(Shard(2))
-            plan["self_attn.k_norm"] = NormParallel(Shard(2))
-        parallelize_module(layer, tp_mesh, plan)
-    # Anything left plain (nothing in the Llama family today) would mix Tensor and DTensor in AdamW.
+    styles = {
+        "colwise": lambda: ColwiseParallel(),
+        "rowwise": lambda: RowwiseParallel(output_layouts=seq),
+        "vocab_embedding": lambda: RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
+        "vocab_head": lambda: ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1), use_local_output=False),
+        "norm": lambda: NormParallel(seq),
+        "norm_to_head": lambda: NormParallel(seq, Replicate()),
+        "head_norm": lambda: NormParallel(Shard(2)),
+        "gather_sequence": lambda: GatherSequence() if seq_parallel else None,
+    }
+    if name not in styles:
+        raise ValueError(f"unknown tensor-parallel style {name!r}: one of {', '.join(styles)}")
+    return styles[name]()
+
+
+def resolve_plan(model: nn.Module, plan: dict[str, str]) -> dict[str, str]:
+    """Plan globs -> {exact module path: style} for the modules this (possibly pipeline-trimmed) model has,
+    with wrapped modules expanded through their `tp_subplan`."""
+    found: dict[str, str] = {}
+    names = [n for n, _ in model.named_modules() if n]
+    for pattern, style in plan.items():
+        for name in names:
+            if fnmatch.fnmatchcase(name, pattern):
+                found.update(_expand(model.get_submodule(name), name, style))
+    return found
+
+
+def _expand(module: nn.Module, path: str, style: str) -> dict[str, str]:
+    sub = getattr(module, "tp_subplan", None)
+    if sub is None:
+        return {path: style}
+    out: dict[str, str] = {}
+    for rel, sub_style in sub(style).items():
+        out.update(_expand(module.get_submodule(rel), f"{path}.{rel}", sub_style))
+    return out
+
+
+def apply_tp(model: nn.Module, tp_mesh, plan: dict[str, str], seq_parallel: bool) -> None:
+    """Shard a (meta-device, possibly pipeline-trimmed) model over `tp_mesh` in place, following `plan`."""
+    resolved = {path: make_style(style, seq_parallel) for path, style in resolve_plan(model, plan).items()}
+    resolved = {path: style for path, style in resolved.items() if style is not None}
+    if resolved:
+        parallelize_module(model, tp_mesh, resolved)
     for name, p in model.named_parameters():
         if not isinstance(p, DTensor):
-            raise RuntimeError(f"tensor parallel plan does not cover parameter {name}")
+            raise RuntimeError(
+                f"tensor parallel plan does not cover parameter {name}: add its module to the "
+                f"model's tp_plan (or a tp_subplan on the wrapper that holds it)"
+            )

@@ -14,14 +14,13 @@ from pathlib import Path
 import torch
 
 from meshformer.config.schema import ModelConfig
-from meshformer.config.validate import head_dim
 
 # Dense bf16 peak FLOP/s per device, from vendor data sheets (used instead of measuring when recognised).
 KNOWN_PEAKS = {"H200": 989.4e12, "H100": 989.4e12, "A100": 312e12, "L40S": 362e12, "A10": 125e12, "4090": 165.2e12}
 
 
 def flops_per_token(mc: ModelConfig, n_params: int, n_embedding: int) -> float:
-    attn = 12 * mc.num_layers * mc.num_heads * head_dim(mc) * mc.seq_length
+    attn = 12 * mc.num_layers * mc.num_heads * mc.dim_per_head * mc.seq_length
     return 6 * (n_params - n_embedding) + attn
 
 
@@ -81,7 +80,7 @@ class ActivationCounter:
 
     def pack(self, t):
         local = t
-        if hasattr(t, "__tensor_flatten__") and not type(t) is torch.Tensor and hasattr(t, "_local_tensor"):
+        if hasattr(t, "__tensor_flatten__") and type(t) is not torch.Tensor and hasattr(t, "_local_tensor"):
             local = t._local_tensor
         try:
             st = local.untyped_storage()

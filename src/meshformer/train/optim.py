@@ -105,8 +105,9 @@ class Schedule:
         self.opt = optimizer
         ls = cfg.lr_schedule
         self.total = ls.total_steps if ls.total_steps > 0 else total_steps
-        self.kw = dict(peak=peak_lr(cfg), end=ls.lr_end, warmup=warmup_steps(cfg, self.total), total=self.total,
-                       kind=ls.type)
+        self.kw = dict(
+            peak=peak_lr(cfg), end=ls.lr_end, warmup=warmup_steps(cfg, self.total), total=self.total, kind=ls.type
+        )
 
     def lr(self, step: int) -> float:
         return lr_at(step, **self.kw)

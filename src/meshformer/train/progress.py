@@ -5,17 +5,30 @@ from __future__ import annotations
 import sys
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress as RichProgress, TextColumn, TimeElapsedColumn, \
-    TimeRemainingColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
+from rich.progress import (
+    Progress as RichProgress,
+)
 
 
 def format_record(rec: dict) -> str:
     parts = [f"step {rec['step']}", f"loss {rec['loss']:.4f}"]
     if "eval_loss" in rec:
         parts.append(f"eval_loss {rec['eval_loss']:.4f}")
-    parts += [f"lr {rec['lr']:.2e}", f"grad_norm {rec['grad_norm']:.3f}", f"{rec['tokens_per_s']:.0f} tok/s",
-              f"{rec['samples_per_s']:.2f} samples/s", f"mfu {100 * rec['mfu']:.1f}%",
-              f"mem {rec['peak_mem_bytes'] / 2**20:.0f} MiB"]
+    parts += [
+        f"lr {rec['lr']:.2e}",
+        f"grad_norm {rec['grad_norm']:.3f}",
+        f"{rec['tokens_per_s']:.0f} tok/s",
+        f"{rec['samples_per_s']:.2f} samples/s",
+        f"mfu {100 * rec['mfu']:.1f}%",
+        f"mem {rec['peak_mem_bytes'] / 2**20:.0f} MiB",
+    ]
     return " | ".join(parts)
 
 
@@ -36,9 +49,17 @@ class Progress:
 
     def start(self, total: int, done: int) -> None:
         if self.rich:
-            self.bar = RichProgress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
-                                    TextColumn("{task.fields[info]}"), TimeElapsedColumn(), TextColumn("ETA"),
-                                    TimeRemainingColumn(), console=self.console, transient=False)
+            self.bar = RichProgress(
+                TextColumn("[bold]train"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn("{task.fields[info]}"),
+                TimeElapsedColumn(),
+                TextColumn("ETA"),
+                TimeRemainingColumn(),
+                console=self.console,
+                transient=False,
+            )
             self.bar.start()
             self.task = self.bar.add_task("train", total=total, completed=done, info="")
 

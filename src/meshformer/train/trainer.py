@@ -7,7 +7,6 @@ batch, so "global batch b" and "step b" are the same number, and resuming needs 
 
 from __future__ import annotations
 
-import contextlib
 import math
 import shutil
 import time
@@ -15,51 +14,44 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 import yaml
 
 from meshformer.checkpoint import store
 from meshformer.config.load import to_dict
 from meshformer.config.schema import MeshformerConfig
 from meshformer.data.dataset import GlobalBatches, PackedDataset, SampleOrder
-from meshformer.errors import UserError
 from meshformer.data.tokenizer import tokenizer_hash
-from meshformer.models import DTYPE, build_model, materialize, num_params
-from meshformer.parallel import ModelParts, ParallelEnv, init_parallel, parallelize
+from meshformer.dtypes import DTYPE
+from meshformer.errors import UserError
+from meshformer.models import num_params
+from meshformer.parallel import ModelParts, init_parallel
+from meshformer.parallel.dims import ParallelDims
 from meshformer.train import metrics as M
 from meshformer.train.optim import Optimizers, Schedule
 from meshformer.train.progress import Progress
+from meshformer.train.step import build_parts, clip_threshold, evaluate, train_step
 
 
 @dataclass
 class BatchPlan:
-    micro_batch: int   # samples per forward pass
-    n_micro: int       # forward passes per optimizer step on each rank (accumulation x pipeline micro-batches)
+    micro_batch: int  # samples per forward pass
+    n_micro: int  # forward passes per optimizer step on each rank (accumulation x pipeline micro-batches)
     global_batch: int  # samples per optimizer step, all ranks together
 
     @classmethod
-    def from_config(cls, cfg: MeshformerConfig, env: ParallelEnv) -> "BatchPlan":
+    def from_config(cls, cfg: MeshformerConfig, dims: ParallelDims) -> "BatchPlan":
         pc = cfg.parallel_config
         mb = cfg.train_dataset.batch_size or cfg.runner_config.batch_size or 1
         n_micro = cfg.runner_config.gradient_accumulation_steps * (pc.micro_batch_num if pc.pipeline_stage > 1 else 1)
-        return cls(mb, n_micro, mb * n_micro * env.dp_size)
+        return cls(mb, n_micro, mb * n_micro * dims.dp)
 
-    def describe(self, cfg: MeshformerConfig, env: ParallelEnv) -> str:
+    def describe(self, cfg: MeshformerConfig, dims: ParallelDims) -> str:
         pc = cfg.parallel_config
         pp = f" x micro_batch_num {pc.micro_batch_num}" if pc.pipeline_stage > 1 else ""
-        return (f"global batch {self.global_batch} = micro batch {self.micro_batch} x data_parallel {env.dp_size} "
-                f"x gradient_accumulation {cfg.runner_config.gradient_accumulation_steps}{pp}")
-
-
-def make_loss_fn(cfg: MeshformerConfig):
-    ignore = cfg.model.model_config.ignore_token_id
-    dtype = DTYPE[cfg.model.model_config.softmax_compute_dtype]
-
-    def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Summed token cross-entropy; normalising by the global token count is the trainer's job."""
-        return F.cross_entropy(logits.flatten(0, 1).to(dtype), labels.flatten(), ignore_index=ignore,
-                               reduction="sum").float()
-    return loss_fn
+        return (
+            f"global batch {self.global_batch} = micro batch {self.micro_batch} x data_parallel {dims.dp} "
+            f"x gradient_accumulation {cfg.runner_config.gradient_accumulation_steps}{pp}"
+        )
 
 
 class Trainer:
@@ -71,7 +63,7 @@ class Trainer:
         self.console = Progress(cfg.monitor_config.progress_bar, enabled=self.env.is_metrics_rank)
         for n in notices or []:
             self.console.log(f"note: {n}")
-        self.plan = BatchPlan.from_config(cfg, self.env)
+        self.plan = BatchPlan.from_config(cfg, self.env.dims)
         self._act_bytes = 0  # saved-activation bytes of one micro-batch, measured on the first step (CPU)
         self._open_data()
         self.resume_from = self._find_resume()
@@ -83,8 +75,9 @@ class Trainer:
         cfg, field = self.cfg, "train_dataset.data_loader.dataset_dir"
         if cfg.train_dataset.data_loader.type != "MindDataset":
             raise UserError(f"{field}: only MindDataset directories are supported")
-        self.train_ds = PackedDataset(cfg.train_dataset.data_loader.dataset_dir, cfg.train_dataset.split or "train",
-                                      self.mc.seq_length, field)
+        self.train_ds = PackedDataset(
+            cfg.train_dataset.data_loader.dataset_dir, cfg.train_dataset.split or "train", self.mc.seq_length, field
+        )
         tok = self.train_ds.dir / "tokenizer.json"
         if not tok.is_file():
             raise UserError(f"{field}: {tok} is missing: re-run `meshformer preprocess`")
@@ -97,20 +90,27 @@ class Trainer:
             eval_dir = ev.data_loader.dataset_dir or cfg.train_dataset.data_loader.dataset_dir
             split = ev.split or "validation"
             self.eval_ds = PackedDataset(eval_dir, split, self.mc.seq_length, "eval_dataset.data_loader.dataset_dir")
-            self.eval_ds.check_tokenizer(self.tokenizer_hash, self.mc.vocab_size, "eval_dataset.data_loader.dataset_dir")
+            self.eval_ds.check_tokenizer(
+                self.tokenizer_hash, self.mc.vocab_size, "eval_dataset.data_loader.dataset_dir"
+            )
             unit = self.env.dp_size * self.plan.micro_batch  # one micro-batch on every data-parallel rank
             if len(self.eval_ds) < unit:
-                raise UserError(f"eval_dataset: {len(self.eval_ds)} validation samples of seq_length {self.mc.seq_length} "
-                                f"are fewer than one micro-batch per data-parallel rank ({unit}): add validation text "
-                                f"(preprocess --val-fraction) or lower model.model_config.seq_length")
+                raise UserError(
+                    f"eval_dataset: {len(self.eval_ds)} validation samples of seq_length {self.mc.seq_length} "
+                    f"are fewer than one micro-batch per data-parallel rank ({unit}): add validation text "
+                    f"(preprocess --val-fraction) or lower model.model_config.seq_length"
+                )
             # One global batch per eval iteration (whole micro-batches), split over dp like training.
             eval_batch = min(self.plan.global_batch, len(self.eval_ds) // unit * unit)
-            self.eval_batches = GlobalBatches(SampleOrder(len(self.eval_ds), 0, False), eval_batch,
-                                              self.env.dp_rank, self.env.dp_size)
+            self.eval_batches = GlobalBatches(
+                SampleOrder(len(self.eval_ds), 0, False), eval_batch, self.env.dp_rank, self.env.dp_size
+            )
         order = SampleOrder(len(self.train_ds), self.cfg.seed, cfg.train_dataset.data_loader.shuffle)
         if order.n < self.plan.global_batch:
-            raise UserError(f"train_dataset: {order.n} samples of seq_length {self.mc.seq_length} are fewer than one "
-                            f"global batch ({self.plan.describe(cfg, self.env)}): add data or shrink the batch")
+            raise UserError(
+                f"train_dataset: {order.n} samples of seq_length {self.mc.seq_length} are fewer than one "
+                f"global batch ({self.plan.describe(cfg, self.env.dims)}): add data or shrink the batch"
+            )
         self.batches = GlobalBatches(order, self.plan.global_batch, self.env.dp_rank, self.env.dp_size)
         rc = cfg.runner_config
         self.total_steps = rc.stop_step or rc.epochs * self.batches.per_epoch
@@ -132,14 +132,19 @@ class Trainer:
         resuming_here = self.resume_from is not None and self.resume_from.resolve().parent == root
         if existing and not resuming_here and not (self.cfg.resume_training and self.resume_from is None):
             if not self.cfg.overwrite_output_dir:
-                raise UserError(f"output_dir={str(self.out)!r} already holds a run (checkpoints or metrics.jsonl): "
-                                f"set resume_training: true to continue it, overwrite_output_dir: true to replace it, "
-                                f"or choose another output_dir")
-            source = self.resume_from or (store.resolve_checkpoint(self.cfg.load_checkpoint)
-                                          if self.cfg.load_checkpoint else None)
+                raise UserError(
+                    f"output_dir={str(self.out)!r} already holds a run (checkpoints or metrics.jsonl): "
+                    f"set resume_training: true to continue it, overwrite_output_dir: true to replace it, "
+                    f"or choose another output_dir"
+                )
+            source = self.resume_from or (
+                store.resolve_checkpoint(self.cfg.load_checkpoint) if self.cfg.load_checkpoint else None
+            )
             if source is not None and root in source.resolve().parents:
-                raise UserError(f"load_checkpoint={str(source)!r} is inside output_dir, which overwrite_output_dir "
-                                f"would delete first: choose another output_dir")
+                raise UserError(
+                    f"load_checkpoint={str(source)!r} is inside output_dir, which overwrite_output_dir "
+                    f"would delete first: choose another output_dir"
+                )
             self.env.barrier()
             if self.env.rank == 0:
                 shutil.rmtree(root, ignore_errors=True)
@@ -149,14 +154,14 @@ class Trainer:
             self.out.mkdir(parents=True, exist_ok=True)
 
     def _build_model(self) -> None:
-        cfg, env = self.cfg, self.env
-        model = build_model(self.mc)
-        self.n_params = num_params(model)
+        cfg = self.cfg
+        built = build_parts(cfg, self.env)
+        for name in built.transforms:
+            self.console.log(f"model transform: {name}")
+        self.n_params = num_params(built.model)
         # The input embedding is a lookup, not a matmul; a tied head does matmul work, so count it then.
-        self.n_embedding = 0 if self.mc.tie_word_embeddings else model.embed_tokens.weight.numel()
-        self.parts: ModelParts = parallelize(model, cfg, env, make_loss_fn(cfg))
-        for part in self.parts.parts:
-            materialize(part, env.device, cfg.seed, DTYPE[self.mc.param_init_type])
+        self.n_embedding = 0 if self.mc.tie_word_embeddings else built.model.embed_tokens.weight.numel()
+        self.parts: ModelParts = built.parts
         self.optimizer = Optimizers(self.parts.parts, cfg)
         self.schedule = Schedule(self.optimizer, cfg, self.total_steps)
         self.start_step = 0
@@ -171,18 +176,25 @@ class Trainer:
     def _check_ckpt_tokenizer(self, ckpt: Path) -> None:
         tok = ckpt / "tokenizer.json"
         if tok.is_file() and tokenizer_hash(tok) != self.tokenizer_hash:
-            raise UserError(f"load_checkpoint={str(ckpt)!r} was trained with a different tokenizer than "
-                            f"train_dataset's: preprocess the data with the checkpoint's tokenizer.json")
+            raise UserError(
+                f"load_checkpoint={str(ckpt)!r} was trained with a different tokenizer than "
+                f"train_dataset's: preprocess the data with the checkpoint's tokenizer.json"
+            )
 
     def _restore(self, ckpt: Path) -> None:
         state = store.read_trainer_state(ckpt)
         # The data position is "global batches consumed": it means the same samples only if these agree.
-        for key, now in (("global_batch", self.plan.global_batch), ("seed", self.cfg.seed),
-                         ("seq_length", self.mc.seq_length)):
+        for key, now in (
+            ("global_batch", self.plan.global_batch),
+            ("seed", self.cfg.seed),
+            ("seq_length", self.mc.seq_length),
+        ):
             if state.get(key, now) != now:
-                raise UserError(f"resume_training: {ckpt} was saved with {key}={state[key]} but this config gives "
-                                f"{now}: keep {key} to resume, or start a new run from its weights with "
-                                f"load_checkpoint (resume_training: false)")
+                raise UserError(
+                    f"resume_training: {ckpt} was saved with {key}={state[key]} but this config gives "
+                    f"{now}: keep {key} to resume, or start a new run from its weights with "
+                    f"load_checkpoint (resume_training: false)"
+                )
         self._check_ckpt_tokenizer(ckpt)
         store.load_model_weights(ckpt, self.parts.parts)
         store.load_optimizer(ckpt, self.parts.parts, self.optimizer.items)
@@ -200,10 +212,12 @@ class Trainer:
         peak, peak_src = M.peak_flops(env.device, compute_dtype, cfg.monitor_config.peak_flops)
         fpt = M.flops_per_token(self.mc, self.n_params, self.n_embedding)
         tokens_per_step = plan.global_batch * self.mc.seq_length
-        self.console.log(f"model {self.n_params / 1e6:.2f}M parameters, {fpt / 1e6:.1f} MFLOP/token; "
-                         f"{plan.describe(cfg, env)}; {self.total_steps} steps; peak {peak / 1e12:.3f} TFLOP/s "
-                         f"per device ({peak_src}); world size {env.world_size}")
-        mem_state = None
+        self.console.log(
+            f"model {self.n_params / 1e6:.2f}M parameters, {fpt / 1e6:.1f} MFLOP/token; "
+            f"{plan.describe(cfg, env.dims)}; {self.total_steps} steps; peak {peak / 1e12:.3f} TFLOP/s "
+            f"per device ({peak_src}); world size {env.world_size}"
+        )
+        mem_state: list[int] = []  # parameter + gradient + optimizer bytes, measured once after the first update
         first, last = None, {}
         self.parts.train()
         self.console.start(self.total_steps, self.start_step)
@@ -211,26 +225,37 @@ class Trainer:
             t0 = time.perf_counter()
             tokens = self.batches.batch(self.train_ds, step).to(env.device)
             inputs, labels = tokens[:, :-1], tokens[:, 1:]
-            n_tok = env.all_reduce_sum_dp((labels != self.mc.ignore_token_id).sum().to(torch.float64))
             lr = self.schedule.apply(step)
             counter = M.ActivationCounter() if step == self.start_step and env.device.type == "cpu" else None
-            with counter.hooks() if counter is not None else contextlib.nullcontext():
-                loss_sum = self.parts.forward_backward(inputs, labels, plan.n_micro, env.grad_average_size / n_tok.item())
-            loss = (env.all_reduce_sum_dp(loss_sum.to(torch.float64)) / n_tok).item()
-            clip = cfg.runner_wrapper.max_grad_norm if cfg.runner_wrapper.use_clip_grad else None
-            grad_norm = float(self.parts.clip_grad_norm_(clip))
-            self.optimizer.step()
-            if mem_state is None:  # after the first step: gradients and optimizer states all exist
-                mem_state = self._state_bytes()
-            self.optimizer.zero_grad(set_to_none=True)
+            result = train_step(
+                self.parts,
+                self.optimizer,
+                env,
+                inputs,
+                labels,
+                n_micro=plan.n_micro,
+                ignore_index=self.mc.ignore_token_id,
+                max_grad_norm=clip_threshold(cfg),
+                capture=counter.hooks() if counter is not None else None,
+                # after the first update gradients and optimizer states all exist
+                after_update=None if mem_state else lambda: mem_state.append(self._state_bytes()),
+            )
+            loss, grad_norm = result.loss, result.grad_norm
             if env.device.type == "cuda":
                 torch.cuda.synchronize(env.device)
             dt = time.perf_counter() - t0
             done = step + 1
-            rec = {"step": done, "loss": loss, "lr": lr, "grad_norm": grad_norm,
-                   "tokens_per_s": tokens_per_step / dt, "samples_per_s": plan.global_batch / dt,
-                   "mfu": fpt * tokens_per_step / dt / (peak * env.world_size), "step_time_s": dt,
-                   "peak_mem_bytes": self._peak_mem(mem_state, counter, plan.n_micro)}
+            rec = {
+                "step": done,
+                "loss": loss,
+                "lr": lr,
+                "grad_norm": grad_norm,
+                "tokens_per_s": tokens_per_step / dt,
+                "samples_per_s": plan.global_batch / dt,
+                "mfu": fpt * tokens_per_step / dt / (peak * env.world_size),
+                "step_time_s": dt,
+                "peak_mem_bytes": self._peak_mem(mem_state[0], counter, plan.n_micro),
+            }
             if self.eval_ds is not None and self._eval_due(done):
                 rec["eval_loss"] = self.evaluate()
             if not math.isfinite(loss):
@@ -242,8 +267,10 @@ class Trainer:
                 self.save(done, ckpt_cb.keep_checkpoint_max)
         self.console.stop()
         if first is not None:
-            self.console.log(f"loss {first['loss']:.4f} (step {first['step']}) -> {last['loss']:.4f} "
-                             f"(step {last['step']}); metrics in {self.out / 'metrics.jsonl'}")
+            self.console.log(
+                f"loss {first['loss']:.4f} (step {first['step']}) -> {last['loss']:.4f} "
+                f"(step {last['step']}); metrics in {self.out / 'metrics.jsonl'}"
+            )
         if self.total_steps > self.start_step or not store.list_checkpoints(self.out):
             self.save(self.total_steps, ckpt_cb.keep_checkpoint_max if ckpt_cb else 5)
         return last
@@ -252,21 +279,16 @@ class Trainer:
         every = self.cfg.eval_config.eval_interval
         return (every > 0 and done % every == 0) or (self.cfg.do_eval and done == self.total_steps)
 
-    @torch.no_grad()
     def evaluate(self) -> float:
         """Mean token loss over eval_iters validation batches (fixed order, so comparable across steps)."""
-        env, plan, ds = self.env, self.plan, self.eval_ds
-        self.parts.train(False)
-        order = self.eval_batches
-        total = torch.zeros((), dtype=torch.float64, device=env.device)
-        count = torch.zeros((), dtype=torch.float64, device=env.device)
-        for b in range(min(self.cfg.eval_config.eval_iters, order.per_epoch)):
-            tokens = torch.stack([ds[int(i)] for i in order.sample_ids(b)]).to(env.device)
-            for chunk in tokens.split(plan.micro_batch):  # pipeline eval runs training-sized micro-batches
-                total += self.parts.eval_loss(chunk[:, :-1], chunk[:, 1:]).to(torch.float64)
-            count += (tokens[:, 1:] != self.mc.ignore_token_id).sum()
-        self.parts.train(True)
-        return (env.all_reduce_sum_dp(total) / env.all_reduce_sum_dp(count)).item()
+        order, ds = self.eval_batches, self.eval_ds
+
+        def batches():
+            for b in range(min(self.cfg.eval_config.eval_iters, order.per_epoch)):
+                tokens = torch.stack([ds[int(i)] for i in order.sample_ids(b)]).to(self.env.device)
+                yield tokens[:, :-1], tokens[:, 1:]
+
+        return evaluate(self.parts, self.env, batches(), self.plan.micro_batch, self.mc.ignore_token_id)
 
     def _state_bytes(self) -> int:
         params = list(self.parts.parameters())
@@ -286,12 +308,18 @@ class Trainer:
     def save(self, step: int, keep: int) -> None:
         env = self.env
         path = store.checkpoint_root(self.out) / f"step_{step:08d}"
-        state = {"step": step, "global_batch": self.plan.global_batch, "seed": self.cfg.seed,
-                 "seq_length": self.mc.seq_length,
-                 "tokenizer_hash": self.tokenizer_hash, "layout": {
-                     "data_parallel": env.dp_size, "model_parallel": env.tp_size, "pipeline_stage": env.pp_size}}
-        files = {"config.yaml": yaml.safe_dump(to_dict(self.cfg), sort_keys=False).encode(),
-                 "tokenizer.json": self.tokenizer_bytes}
+        state = {
+            "step": step,
+            "global_batch": self.plan.global_batch,
+            "seed": self.cfg.seed,
+            "seq_length": self.mc.seq_length,
+            "tokenizer_hash": self.tokenizer_hash,
+            "layout": {"data_parallel": env.dp_size, "model_parallel": env.tp_size, "pipeline_stage": env.pp_size},
+        }
+        files = {
+            "config.yaml": yaml.safe_dump(to_dict(self.cfg), sort_keys=False).encode(),
+            "tokenizer.json": self.tokenizer_bytes,
+        }
         store.save_checkpoint(path, self.parts.parts, self.optimizer.items, state, files, env.rank == 0, env.barrier)
         if env.rank == 0:
             store.prune_checkpoints(self.out, keep)
@@ -304,4 +332,3 @@ def run_training(cfg: MeshformerConfig, notices: list[str] | None = None) -> dic
         return trainer.train()
     finally:
         trainer.env.shutdown()
-

@@ -1,0 +1,48 @@
+"""Model transforms: changes to the plain model after `build_model` and before `parallelize`, in one order.
+
+A transform rewrites the meta-device model in place: wraps layers (LoRA), replaces them (MoE), fuses
+projections, or freezes parameters. Running them before parallelism is what lets every transform compose with
+every layout: pipeline splitting, the tensor-parallel plan (a wrapper declares `tp_subplan`, see parallel/tp.py),
+recompute and FSDP all see the transformed model and need no transform-specific code.
+
+Each transform lives in its own module beside the models and is registered in TRANSFORMS, whose order is the
+order they run in:
+  1. LoRA               wraps the target linears (must see the original modules)
+  2. MoE replacement    swaps MLPs for expert layers
+  3. fused projections  q/k/v and gate/up in one matmul (checkpoint names unchanged)
+  4. freezing           last, so its name patterns see the final parameter names
+A transform is enabled by its config fields (`wanted`); a run's applied transforms are logged by name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from torch import nn
+
+from meshformer.config.schema import MeshformerConfig
+
+
+@dataclass(frozen=True)
+class ModelTransform:
+    name: str
+    wanted: Callable[[MeshformerConfig], bool]  # is it enabled by this config?
+    apply: Callable[[nn.Module, MeshformerConfig], None]  # rewrite the (meta-device) model in place
+
+
+# The registry, in application order. Transforms join as their features land (issues: LoRA and freezing,
+# MoE, fused projections); until then a config that asks for one is refused by config/validate.py.
+TRANSFORMS: tuple[ModelTransform, ...] = ()
+
+
+def apply_model_transforms(
+    model: nn.Module, cfg: MeshformerConfig, transforms: Iterable[ModelTransform] | None = None
+) -> list[str]:
+    """Apply every wanted transform of `transforms` (default: TRANSFORMS) in order; returns their names."""
+    applied = []
+    for t in TRANSFORMS if transforms is None else transforms:
+        if t.wanted(cfg):
+            t.apply(model, cfg)
+            applied.append(t.name)
+    return applied

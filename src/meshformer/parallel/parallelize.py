@@ -1,0 +1,33 @@
+"""`parallelize`: the one place that composes the parallel techniques, in one order, on a meta-device model.
+
+Order (see docs/design.md): pipeline split (which pieces this rank holds) -> tensor parallel (the model family's
+plan, DTensor) -> activation recompute (wraps layers, so it also recomputes their TP collectives) -> data
+parallel or FSDP (wraps layers, then the piece, so FSDP's units contain the recompute wrappers). Model transforms
+(LoRA, freezing, ...) ran before this, in models/transforms.py. Nothing is allocated until `materialize`.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from meshformer.config.schema import MeshformerConfig
+from meshformer.parallel.data_parallel import apply_data_parallel
+from meshformer.parallel.env import ParallelEnv
+from meshformer.parallel.parts import LossFn, ModelParts
+from meshformer.parallel.pipeline import split_pipeline
+from meshformer.parallel.pipeline_parts import PipelineParts
+from meshformer.parallel.recompute import apply_recompute
+from meshformer.parallel.tp import apply_tp
+
+
+def parallelize(model: nn.Module, cfg: MeshformerConfig, env: ParallelEnv, loss_fn: LossFn) -> ModelParts:
+    """Apply the configured parallelism to a meta-device model; returns the parts this rank holds (still meta)."""
+    pieces = split_pipeline(model, cfg, env.pp_rank) if env.pp_size > 1 else [(0, model)]
+    for _, part in pieces:
+        if env.tp_size > 1:
+            apply_tp(part, env.submesh("tp"), model.tp_plan(), cfg.parallel_config.use_seq_parallel)
+        apply_recompute(part, cfg.recompute_config.recompute, stage_index=env.pp_rank)
+        apply_data_parallel(part, cfg, env)
+    if env.pp_size > 1:
+        return PipelineParts([p for _, p in pieces], [s for s, _ in pieces], cfg, env, loss_fn)
+    return ModelParts([model], cfg, env, loss_fn)

@@ -1,0 +1,126 @@
+"""One training step and one evaluation, shared by the trainer and the parallel parity suite.
+
+The parity suite (tests/dist/harness.py) proves that every layout gives the single-process numbers; it can only
+prove that of the trainer if it runs the trainer's own arithmetic. So the model set-up (`build_parts`), the loss
+(`make_loss_fn`), the optimizer and its parameter groups (train/optim.py), the step (`train_step`) and the
+validation loss (`evaluate`) live here, and both call them.
+
+Loss normalisation: every micro-batch's loss is a *sum* over its tokens; the step divides by the global number
+of counted tokens (all data-parallel ranks, all accumulation and pipeline micro-batches) and multiplies by the
+number of ranks the gradient reduction averages over. So loss and gradients are those of one big batch, for
+every layout and every accumulation split.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from meshformer.config.schema import MeshformerConfig
+from meshformer.dtypes import DTYPE
+from meshformer.models import build_model, materialize
+from meshformer.models.transforms import ModelTransform, apply_model_transforms
+from meshformer.parallel import ModelParts, ParallelEnv, parallelize
+from meshformer.train.optim import Optimizers
+
+
+def make_loss_fn(cfg: MeshformerConfig):
+    ignore = cfg.model.model_config.ignore_token_id
+    dtype = DTYPE[cfg.model.model_config.softmax_compute_dtype]
+
+    def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Summed token cross-entropy; normalising by the global token count is the step's job."""
+        return F.cross_entropy(
+            logits.flatten(0, 1).to(dtype), labels.flatten(), ignore_index=ignore, reduction="sum"
+        ).float()
+
+    return loss_fn
+
+
+@dataclass
+class BuiltModel:
+    model: torch.nn.Module  # the whole transformed model, still on the meta device (for counting, plans)
+    parts: ModelParts  # this rank's materialized pieces, parallelized
+    transforms: list[str]  # names of the model transforms applied, in order
+
+
+def build_parts(
+    cfg: MeshformerConfig, env: ParallelEnv, transforms: Iterable[ModelTransform] | None = None
+) -> BuiltModel:
+    """build_model -> model transforms -> parallelize -> materialize: the one way a run gets its model."""
+    mc = cfg.model.model_config
+    model = build_model(mc)
+    applied = apply_model_transforms(model, cfg, transforms)
+    parts = parallelize(model, cfg, env, make_loss_fn(cfg))
+    for part in parts.parts:
+        materialize(part, env.device, cfg.seed, DTYPE[mc.param_init_type])
+    return BuiltModel(model, parts, applied)
+
+
+@dataclass
+class StepResult:
+    loss: float  # mean token loss of the global batch
+    grad_norm: float  # global L2 norm before clipping
+    tokens: float  # counted (non-ignored) label tokens of the global batch
+
+
+def train_step(
+    parts: ModelParts,
+    optimizer: Optimizers,
+    env: ParallelEnv,
+    inputs: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    n_micro: int,
+    ignore_index: int,
+    max_grad_norm: float | None,
+    capture: contextlib.AbstractContextManager | None = None,
+    after_update: Callable[[], None] | None = None,
+) -> StepResult:
+    """Forward/backward over this rank's `n_micro` micro-batches, clip, optimizer step, zero the gradients.
+
+    inputs/labels: this rank's rows of the global batch. `capture` wraps forward/backward (activation
+    measurement); `after_update` runs after the optimizer step while gradients still exist (memory accounting).
+    """
+    n_tok = env.all_reduce_sum_dp((labels != ignore_index).sum().to(torch.float64))
+    with capture if capture is not None else contextlib.nullcontext():
+        loss_sum = parts.forward_backward(inputs, labels, n_micro, env.grad_average_size / n_tok.item())
+    loss = (env.all_reduce_sum_dp(loss_sum.to(torch.float64)) / n_tok).item()
+    grad_norm = float(parts.clip_grad_norm_(max_grad_norm))
+    optimizer.step()
+    if after_update is not None:
+        after_update()
+    optimizer.zero_grad(set_to_none=True)
+    return StepResult(loss, grad_norm, float(n_tok))
+
+
+def clip_threshold(cfg: MeshformerConfig) -> float | None:
+    rw = cfg.runner_wrapper
+    return rw.max_grad_norm if rw.use_clip_grad else None
+
+
+@torch.no_grad()
+def evaluate(
+    parts: ModelParts,
+    env: ParallelEnv,
+    batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
+    micro_batch: int,
+    ignore_index: int,
+) -> float:
+    """Mean token loss over (inputs, labels) batches, all data-parallel ranks together; forward only.
+
+    Batches are cut into training-sized micro-batches (pipeline stages were built for that shape).
+    """
+    parts.train(False)
+    total = torch.zeros((), dtype=torch.float64, device=env.device)
+    count = torch.zeros((), dtype=torch.float64, device=env.device)
+    for inputs, labels in batches:
+        for x, y in zip(inputs.split(micro_batch), labels.split(micro_batch)):
+            total += parts.eval_loss(x, y).to(torch.float64)
+        count += (labels != ignore_index).sum()
+    parts.train(True)
+    return (env.all_reduce_sum_dp(total) / env.all_reduce_sum_dp(count)).item()
