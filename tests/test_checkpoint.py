@@ -73,16 +73,6 @@ def test_two_stage_parts_save_and_load_their_optimizer_states(tmp_path):
         assert na == nb and torch.equal(a, b)
 
 
-def test_overwrite_refuses_to_delete_the_checkpoint_it_loads(tiny_dataset, tmp_path):
-    out = tmp_path / "run"
-    train(tiny_dataset, out, {"runner_config.stop_step": 2})
-    with pytest.raises(UserError, match="inside output_dir"):
-        train(
-            tiny_dataset, out, {"runner_config.stop_step": 2, "overwrite_output_dir": True, "load_checkpoint": str(out)}
-        )
-    assert (out / "checkpoint" / "step_00000002" / "trainer_state.json").is_file()
-
-
 def test_resuming_another_runs_checkpoint_never_touches_an_existing_run(tiny_dataset, tmp_path):
     a, b = tmp_path / "a", tmp_path / "b"
     train(tiny_dataset, a, {"runner_config.stop_step": 2})

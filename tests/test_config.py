@@ -394,3 +394,9 @@ def test_derived_shapes_are_model_config_properties():
     assert (mc.num_kv_heads, mc.ffn_hidden_size) == (8, 14336)  # Llama 3 8B
     assert ModelConfig(hidden_size=64, num_heads=4, head_dim=32, intermediate_size=100).dim_per_head == 32
     assert not {"num_kv_heads", "dim_per_head", "ffn_hidden_size"} & set(ModelConfig.__dataclass_fields__)
+
+
+@pytest.mark.parametrize("value", [".inf", "-.inf", ".nan"])
+def test_non_finite_numbers_are_refused(tmp_path, value):
+    msg = error(load_config, write(tmp_path, f"optimizer:\n  learning_rate: {value}\n"))
+    assert msg.startswith("optimizer.learning_rate=") and ("finite" in msg or "out of range" in msg)

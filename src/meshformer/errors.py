@@ -1,7 +1,8 @@
-"""The one exception type that means "the user's input is wrong".
+"""The exception types that end a command with one line instead of a traceback.
 
-The CLI catches it, prints its message as a single line on stderr and exits with code 2; every other
-exception is a bug and keeps its traceback.
+`UserError`: the user's input is wrong (exit code 2). `RunFailed`: the input was fine but the run could not go
+on (training diverged; exit code 1). The CLI prints either as a single line on stderr; every other exception
+is a bug and keeps its traceback.
 """
 
 
@@ -9,3 +10,9 @@ class UserError(Exception):
     """Bad input (file, config field, dataset, layout). The message names the field and the fix."""
 
     exit_code = 2
+
+
+class RunFailed(Exception):
+    """The run stopped for a reason that is not a bad input (e.g. the loss stayed non-finite). Exit code 1."""
+
+    exit_code = 1

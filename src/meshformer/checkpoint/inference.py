@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import torch
@@ -16,13 +17,16 @@ def load_for_inference(path: str | Path, device: str | torch.device = "cpu"):
     from meshformer.data.tokenizer import load_tokenizer
     from meshformer.models import create_model
 
-    ckpt = resolve_checkpoint(path)
+    notes: list[str] = []
+    ckpt = resolve_checkpoint(path, notes)  # a run directory: its newest checkpoint that verifies
+    for n in notes:
+        print(f"note: {n}", file=sys.stderr)
     cfg_file = ckpt / "config.yaml"
     if not cfg_file.is_file():
         raise UserError(f"{ckpt}: config.yaml is missing: this checkpoint was not written by `meshformer train`")
     cfg = load_config(cfg_file)
     mc = cfg.model.model_config
     model = create_model(mc, cfg.seed, device)
-    load_model_weights(ckpt, [model])
+    load_model_weights(ckpt, [model], {k: tuple(v.shape) for k, v in model.state_dict().items()})
     model.eval()
     return model, cfg, load_tokenizer(ckpt / "tokenizer.json")

@@ -3,13 +3,16 @@
 Layout of `{output_dir}/checkpoint/step_{N:08d}/`:
     model/*.safetensors      model weights (DCP, Hugging Face storage: safetensors, no pickle)
     optim/*.safetensors      optimizer tensors (exp_avg, exp_avg_sq, step), flattened by name
-    trainer_state.json       step (= consumed global batches), global batch, seed, seq_length, layout
+    trainer_state.json       step (= consumed global batches), global batch, seed, seq_length, layout, finite
     config.yaml              the resolved config of the run
     tokenizer.json           the tokenizer the data was made with (for `meshformer generate`)
+    manifest.json            every file above with its size and SHA-256, written last (checkpoint/manifest.py)
 
 Every rank writes its own shards and DCP records where each shard sits, so any layout can load it.
-A save goes to `step_N.tmp` and is renamed when complete: a crash never leaves a half checkpoint that
-resume would pick.
+A save goes to `step_N.tmp`, gets its manifest, and only then replaces `step_N` (an older copy of the same step
+is moved aside first and deleted after): a crash never leaves a half checkpoint that resume would pick, and a
+failed save (a full disk) leaves every earlier checkpoint as it was. Loading verifies the manifest and is
+strict: every tensor of the model present with its shape, and nothing else.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from meshformer.checkpoint.manifest import MANIFEST, verify, write_manifest
 from meshformer.errors import UserError
 
 STEP_DIR = re.compile(r"^step_(\d+)$")
@@ -49,25 +53,65 @@ def checkpoint_root(output_dir: str | Path) -> Path:
 
 
 def list_checkpoints(output_dir: str | Path) -> list[Path]:
+    """Every `step_N` directory of a run, oldest first, complete or not (see `verify`)."""
     root = checkpoint_root(output_dir)
     if not root.is_dir():
         return []
-    found = [p for p in root.iterdir() if STEP_DIR.match(p.name) and (p / "trainer_state.json").is_file()]
+    found = [p for p in root.iterdir() if STEP_DIR.match(p.name) and p.is_dir()]
     return sorted(found, key=lambda p: int(STEP_DIR.match(p.name).group(1)))
 
 
-def resolve_checkpoint(path: str | Path) -> Path:
-    """A checkpoint dir itself, or a run's output_dir (its newest checkpoint)."""
+def is_checkpoint_dir(path: Path) -> bool:
+    return (path / MANIFEST).exists() or (path / "trainer_state.json").exists() or bool(STEP_DIR.match(path.name))
+
+
+def newest_good(output_dir: str | Path) -> tuple[Path | None, list[tuple[Path, str]]]:
+    """(newest checkpoint that verifies in full, [(newer ones skipped, why)])."""
+    skipped = []
+    for ckpt in reversed(list_checkpoints(output_dir)):
+        why = verify(ckpt, full=True)
+        if why is None:
+            return ckpt, skipped
+        skipped.append((ckpt, why))
+    return None, skipped
+
+
+def resolve_checkpoint(path: str | Path, notes: list[str] | None = None) -> Path:
+    """A checkpoint directory (verified), or a run's output_dir: its newest checkpoint that verifies, the newer
+    broken ones reported in `notes`. Anything else is a one-line UserError naming what is wrong."""
     p = Path(path)
-    if (p / "trainer_state.json").is_file():
+    if is_checkpoint_dir(p):
+        why = verify(p, full=True)
+        if why is not None:
+            raise UserError(
+                f"checkpoint {str(p)!r} is not usable: {why}; pass an earlier checkpoint, or the run's "
+                f"output_dir to pick its newest good one"
+            )
         return p
-    found = list_checkpoints(p)
-    if found:
-        return found[-1]
+    good, skipped = newest_good(p)
+    for ckpt, why in skipped:
+        if notes is not None:
+            notes.append(f"skipped checkpoint {ckpt}: {why}")
+    if good is not None:
+        return good
+    if skipped:
+        raise UserError(f"{str(p)!r} holds no usable checkpoint: " + "; ".join(f"{c.name}: {w}" for c, w in skipped))
     raise UserError(
-        f"{str(p)!r} holds no meshformer checkpoint (no trainer_state.json, no checkpoint/step_*): "
+        f"{str(p)!r} holds no meshformer checkpoint (no manifest.json, no checkpoint/step_*): "
         f"pass a run's output_dir or one of its checkpoint/step_N directories"
     )
+
+
+def clean_leftovers(output_dir: str | Path) -> list[Path]:
+    """Remove `step_N.tmp` / `step_N.old` directories that a killed save left behind (names only saves create)."""
+    root = checkpoint_root(output_dir)
+    gone = []
+    if root.is_dir():
+        for p in root.iterdir():
+            if p.is_dir() and re.match(r"^step_\d+\.(tmp|old)$", p.name):
+                shutil.rmtree(p, ignore_errors=True)
+                gone.append(p)
+    return gone
 
 
 def _model_sd(parts) -> dict:
@@ -91,34 +135,125 @@ def _optim_sd(parts, optimizers) -> dict:
 
 
 def save_checkpoint(
-    path: Path, parts, optimizers, trainer_state: dict, extra_files: dict[str, bytes], is_writer_rank: bool, barrier
+    path: Path,
+    parts,
+    optimizers,
+    trainer_state: dict,
+    extra_files: dict[str, bytes],
+    is_writer_rank: bool,
+    barrier,
+    agree=lambda ok: ok,
 ) -> Path:
-    """Collective: every rank calls it. Returns the final directory."""
+    """Collective: every rank calls it. Returns the final directory.
+
+    `agree(ok)` is True only when every rank's ok is (an all-reduce): a failure on any rank (a full disk) makes
+    every rank raise the same one-line UserError instead of leaving the others waiting in a barrier.
+    """
     tmp = path.with_name(path.name + ".tmp")
+    error = None
+    try:
+        if is_writer_rank:
+            if tmp.exists():
+                shutil.rmtree(tmp)
+            tmp.mkdir(parents=True)
+        barrier()
+        for sd, sub in ((_model_sd(parts), "model"), (_optim_sd(parts, optimizers), "optim")):
+            _dcp(dcp.save, sd, storage_writer=dcp.HuggingFaceStorageWriter(str(tmp / sub), save_distributed=True))
+        barrier()
+        if is_writer_rank:
+            for name, data in extra_files.items():
+                (tmp / name).write_bytes(data)
+            (tmp / "trainer_state.json").write_text(json.dumps(trainer_state, indent=1))
+            write_manifest(tmp)
+    except (OSError, CheckpointException) as e:
+        error = _reason(e)
+    if not agree(error is None):
+        if is_writer_rank:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise UserError(
+            f"saving checkpoint {path.name} failed ({error or 'on another rank'}); earlier checkpoints in "
+            f"{path.parent} are untouched: free space (or fix the output_dir), then resume_training: true"
+        )
     if is_writer_rank:
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        tmp.mkdir(parents=True)
-    barrier()
-    for sd, sub in ((_model_sd(parts), "model"), (_optim_sd(parts, optimizers), "optim")):
-        _dcp(dcp.save, sd, storage_writer=dcp.HuggingFaceStorageWriter(str(tmp / sub), save_distributed=True))
-    barrier()
-    if is_writer_rank:
-        for name, data in extra_files.items():
-            (tmp / name).write_bytes(data)
-        (tmp / "trainer_state.json").write_text(json.dumps(trainer_state, indent=1))
-        if path.exists():
-            shutil.rmtree(path)
-        tmp.rename(path)
+        _replace_dir(tmp, path)
     barrier()
     return path
 
 
-def load_model_weights(path: Path, parts) -> None:
+def _reason(e: BaseException) -> str:
+    """The root cause of a failed write in a few words (DCP wraps every rank's exception)."""
+    seen = e
+    for _ in range(8):
+        nxt = seen.__cause__ or seen.__context__
+        if nxt is None:
+            break
+        seen = nxt
+    text = (str(seen).strip().splitlines() or [type(seen).__name__])[-1]
+    if isinstance(e, CheckpointException):
+        for _, exc in getattr(e, "failures", {}).items():
+            text = (str(exc).strip().splitlines() or [type(exc).__name__])[-1]
+            break
+    return text[:200]
+
+
+def _replace_dir(new: Path, target: Path) -> None:
+    """Put `new` at `target`. An existing target is moved aside first and deleted only once `new` is in place,
+    so at every moment one complete copy exists under a name `clean_leftovers` or resume understands."""
+    if target.exists():
+        old = target.with_name(target.name + ".old")
+        shutil.rmtree(old, ignore_errors=True)
+        target.rename(old)
+        new.rename(target)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        new.rename(target)
+
+
+def checkpoint_shapes(path: Path) -> dict[str, tuple[int, ...]]:
+    """{tensor name: shape} of a checkpoint's model weights, from DCP's metadata (no tensor data read)."""
+    try:
+        md = _dcp(dcp.HuggingFaceStorageReader(str(path / "model")).read_metadata)
+    except (OSError, ValueError, KeyError, RuntimeError) as e:
+        raise UserError(f"checkpoint {str(path)!r}: its model metadata is unreadable ({_reason(e)})") from None
+    return {k: tuple(v.size) for k, v in md.state_dict_metadata.items() if hasattr(v, "size")}
+
+
+def check_model_fits(path: Path, expected: dict[str, tuple[int, ...]], complete: bool = True) -> None:
+    """Strict load: every expected tensor present with its shape; with `complete`, no tensor the model lacks."""
+    have = checkpoint_shapes(path)
+    missing = sorted(set(expected) - set(have))
+    extra = sorted(set(have) - set(expected)) if complete else []
+    wrong = sorted(k for k in set(expected) & set(have) if tuple(expected[k]) != have[k])
+    problems = []
+    if missing:
+        problems.append(f"{len(missing)} tensor(s) missing, e.g. {missing[0]}")
+    if extra:
+        problems.append(f"{len(extra)} tensor(s) this model does not have, e.g. {extra[0]}")
+    if wrong:
+        k = wrong[0]
+        problems.append(f"{len(wrong)} shape(s) differ, e.g. {k} is {list(have[k])} there, {list(expected[k])} here")
+    if problems:
+        raise UserError(
+            f"checkpoint {str(path)!r} does not fit this model ({'; '.join(problems)}): use the model "
+            f"settings of the config.yaml saved next to it"
+        )
+
+
+def load_model_weights(path: Path, parts, expected: dict[str, tuple[int, ...]] | None = None) -> None:
+    """Load weights into this rank's parts. `expected`: {name: shape} of the whole model, checked strictly
+    against the checkpoint first (default: the parts' own tensors, which must all be present)."""
     sd = _model_sd(parts)
+    if expected is None:
+        check_model_fits(path, {k: _global_shape(v) for k, v in sd.items()}, complete=False)
+    else:
+        check_model_fits(path, expected)
     _dcp_load(sd, path / "model")
     for m in parts:
         set_model_state_dict(m, sd, options=StateDictOptions(strict=False))
+
+
+def _global_shape(t) -> tuple[int, ...]:
+    return tuple(t.shape)  # a DTensor's shape is its global shape
 
 
 def load_optimizer(path: Path, parts, optimizers) -> None:
@@ -143,11 +278,32 @@ def _dcp_load(sd: dict, where: Path) -> None:
 
 def read_trainer_state(path: Path) -> dict:
     try:
-        return json.loads((path / "trainer_state.json").read_text())
-    except (OSError, json.JSONDecodeError) as e:
+        state = json.loads((path / "trainer_state.json").read_text())
+    except (OSError, ValueError) as e:
         raise UserError(f"{path}/trainer_state.json is unreadable ({e}): pick another checkpoint") from None
+    step = state.get("step") if isinstance(state, dict) else None
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise UserError(f"{path}/trainer_state.json has no valid step (got {step!r}): pick another checkpoint")
+    return state
 
 
-def prune_checkpoints(output_dir: str | Path, keep: int) -> None:
-    for old in list_checkpoints(output_dir)[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
+def prune_checkpoints(output_dir: str | Path, keep: int) -> list[Path]:
+    """Delete complete checkpoints beyond the newest `keep`, but never the newest one saved with a finite loss
+    (a run that went NaN keeps its last good state). Incomplete or damaged directories are left alone: they
+    may be something to inspect, and resume skips them anyway. Returns what was deleted."""
+    complete = [p for p in list_checkpoints(output_dir) if verify(p, full=False) is None]
+    keep_set = set(complete[-keep:])
+    finite = [p for p in complete if saved_finite(p)]
+    if finite:
+        keep_set.add(finite[-1])
+    gone = [p for p in complete if p not in keep_set]
+    for p in gone:
+        shutil.rmtree(p, ignore_errors=True)
+    return gone
+
+
+def saved_finite(path: Path) -> bool:
+    try:
+        return bool(json.loads((path / "trainer_state.json").read_text()).get("finite", True))
+    except (OSError, ValueError, AttributeError):
+        return False

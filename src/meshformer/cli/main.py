@@ -10,10 +10,10 @@ import argparse
 import importlib
 import sys
 
-from meshformer.errors import UserError
+from meshformer.errors import RunFailed, UserError
 
 # Sub-command modules, in the order `meshformer --help` lists them.
-COMMANDS = ("train", "launch", "selfcheck", "preprocess", "tokenizer", "generate", "config")
+COMMANDS = ("train", "launch", "selfcheck", "preprocess", "tokenizer", "generate", "ckpt", "config")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -64,9 +64,9 @@ def main(argv: list[str] | None = None) -> int:
         args.overrides = argv[cut:]
         rc = args.func(args)
         return int(rc or 0)
-    except UserError as e:
+    except (UserError, RunFailed) as e:
         print(f"meshformer: error: {e}", file=sys.stderr)
-        return UserError.exit_code
+        return e.exit_code
     except KeyboardInterrupt:
         print("meshformer: interrupted", file=sys.stderr)
         return 130

@@ -16,8 +16,10 @@ def add_parser(sub) -> None:
 
 def run(args) -> int:
     from meshformer.config.load import load_config
+    from meshformer.train.preemption import die_with_parent
     from meshformer.train.trainer import run_training
 
+    die_with_parent()  # under torchrun: a killed launcher takes its workers with it
     notices: list[str] = []
     cfg = load_config(args.config, args.overrides, notices=notices)
     run_training(cfg, notices)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import difflib
+import math
 import sys
 import types
 import typing
@@ -239,6 +240,8 @@ def _check_range(dotted: str, v: Any, meta: dict) -> None:
         raise UserError(f"{dotted}={v!r} is not allowed: {hint}choose one of {', '.join(map(str, choices))}")
     if not isinstance(v, (int, float)) or isinstance(v, bool):
         return
+    if isinstance(v, float) and not math.isfinite(v):
+        raise UserError(f"{dotted}={v} is not a finite number: give a real value")
     for op, bound, ok in (
         ("ge", meta.get("ge"), lambda a, b: a >= b),
         ("gt", meta.get("gt"), lambda a, b: a > b),

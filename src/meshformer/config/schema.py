@@ -259,6 +259,12 @@ class RunnerConfig:
     stop_step: int = setting(
         0, "End the run after this many optimizer steps (0: run all epochs).", ge=0, aliases=("train_steps",)
     )
+    preemption_grace_seconds: float = setting(
+        300.0,
+        "After SIGTERM/SIGUSR1/SIGINT the run saves at the next step boundary and exits 0; past this many seconds "
+        "it exits at once.",
+        gt=0,
+    )
     sink_mode: bool = setting(True, "MindSpore graph sinking (accepted, no effect).")
     sink_size: int = setting(1, "MindSpore sink size (accepted, no effect).")
 
@@ -272,6 +278,12 @@ class RunnerWrapperConfig:
     max_grad_norm: float = setting(1.0, "Gradient clipping threshold (global L2 norm).", gt=0)
     scale_sense: float | dict = setting(
         {}, "MindSpore loss scaling: a fixed scale or a DynamicLossScaleUpdateCell (accepted; bf16 needs none)."
+    )
+    max_consecutive_skips: int = setting(
+        3,
+        "A step whose loss or gradient norm is not finite is skipped (no update); after this many in a row the "
+        "run stops with exit code 1, keeping its checkpoints.",
+        gt=0,
     )
 
 
@@ -353,7 +365,12 @@ class MeshformerConfig:
     )
     seed: int = setting(0, "Seed for initial weights and sample order; same seed, same run.", ge=0)
     output_dir: str = setting("./output", "Where checkpoints, metrics.jsonl and logs go.")
-    resume_training: bool = setting(False, "Continue from the newest checkpoint in output_dir (or load_checkpoint).")
+    resume_training: bool | str = setting(
+        False,
+        "Continue from the newest good checkpoint in output_dir (or load_checkpoint); auto: resume when one "
+        "exists, else start fresh (for restarts).",
+        choices=(False, True, "auto"),
+    )
     load_checkpoint: str = setting("", "Checkpoint directory to start from (weights, and state when resuming).")
     overwrite_output_dir: bool = setting(
         False, "Allow a fresh run to replace checkpoints and metrics already in output_dir."

@@ -78,6 +78,22 @@ class ParallelEnv:
             dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group("pp"))
         return t
 
+    def all_ok(self, ok: bool) -> bool:
+        """True only when every rank passes True (a collective: every rank must call it)."""
+        if not self.distributed:
+            return ok
+        flag = torch.tensor([0.0 if ok else 1.0], device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.SUM)
+        return float(flag) == 0.0
+
+    def broadcast_object(self, obj):
+        """Rank 0's `obj` on every rank (small, picklable values this process made: decisions, paths)."""
+        if not self.distributed:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
     def barrier(self) -> None:
         if dist.is_available() and dist.is_initialized():
             dist.barrier()

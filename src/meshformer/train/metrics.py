@@ -8,6 +8,7 @@ head_dim x seq_length for attention scores; recompute is not counted (it is over
 from __future__ import annotations
 
 import json
+import math
 import time
 from pathlib import Path
 
@@ -120,4 +121,16 @@ class MetricsLog:
     def write(self, record: dict) -> None:
         if self.enabled:
             with self.path.open("a") as f:
-                f.write(json.dumps(record) + "\n")
+                f.write(json.dumps(strict_json(record), allow_nan=False) + "\n")
+
+
+def strict_json(record: dict) -> dict:
+    """NaN and infinities are not JSON (`json.dumps` would write bare NaN that strict parsers reject): they become
+    null, with the value's name kept under "<key>_nonfinite" so nothing is hidden."""
+    out = {}
+    for k, v in record.items():
+        if isinstance(v, float) and not math.isfinite(v):
+            out[k], out[f"{k}_nonfinite"] = None, str(v)
+        else:
+            out[k] = v
+    return out

@@ -14,6 +14,7 @@ every layout and every accumulation split.
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -66,6 +67,7 @@ class StepResult:
     loss: float  # mean token loss of the global batch
     grad_norm: float  # global L2 norm before clipping
     tokens: float  # counted (non-ignored) label tokens of the global batch
+    skipped: bool = False  # loss or gradient norm not finite: the weights were not updated
 
 
 def train_step(
@@ -85,17 +87,23 @@ def train_step(
 
     inputs/labels: this rank's rows of the global batch. `capture` wraps forward/backward (activation
     measurement); `after_update` runs after the optimizer step while gradients still exist (memory accounting).
+    A non-finite loss or gradient norm skips the optimizer step on every rank (the weights and optimizer states
+    stay as they were): one bad batch or overflow must not poison the run.
     """
     n_tok = env.all_reduce_sum_dp((labels != ignore_index).sum().to(torch.float64))
     with capture if capture is not None else contextlib.nullcontext():
         loss_sum = parts.forward_backward(inputs, labels, n_micro, env.grad_average_size / n_tok.item())
     loss = (env.all_reduce_sum_dp(loss_sum.to(torch.float64)) / n_tok).item()
     grad_norm = float(parts.clip_grad_norm_(max_grad_norm))
-    optimizer.step()
-    if after_update is not None:
-        after_update()
+    finite = math.isfinite(loss) and math.isfinite(grad_norm)
+    if env.pp_size > 1:  # the loss exists on the last stage only; the grad norm is already global
+        finite = env.all_ok(finite)
+    if finite:
+        optimizer.step()
+        if after_update is not None:
+            after_update()
     optimizer.zero_grad(set_to_none=True)
-    return StepResult(loss, grad_norm, float(n_tok))
+    return StepResult(loss, grad_norm, float(n_tok), skipped=not finite)
 
 
 def clip_threshold(cfg: MeshformerConfig) -> float | None:

@@ -8,7 +8,6 @@ batch, so "global batch b" and "step b" are the same number, and resuming needs 
 from __future__ import annotations
 
 import math
-import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,13 +21,15 @@ from meshformer.config.schema import MeshformerConfig
 from meshformer.data.dataset import GlobalBatches, PackedDataset, SampleOrder
 from meshformer.data.tokenizer import tokenizer_hash
 from meshformer.dtypes import DTYPE
-from meshformer.errors import UserError
+from meshformer.errors import RunFailed, UserError
 from meshformer.models import num_params
 from meshformer.parallel import ModelParts, init_parallel
 from meshformer.parallel.dims import ParallelDims
 from meshformer.train import metrics as M
 from meshformer.train.optim import Optimizers, Schedule
+from meshformer.train.preemption import StopRequests
 from meshformer.train.progress import Progress
+from meshformer.train.run_dir import RunDir
 from meshformer.train.step import build_parts, clip_threshold, evaluate, train_step
 
 
@@ -66,9 +67,18 @@ class Trainer:
         self.plan = BatchPlan.from_config(cfg, self.env.dims)
         self._act_bytes = 0  # saved-activation bytes of one micro-batch, measured on the first step (CPU)
         self._open_data()
-        self.resume_from = self._find_resume()
-        self._check_output_dir()
-        self._build_model()
+        self.run_dir = RunDir(self.out, self.env, self.console.log)
+        self.run_dir.lock()
+        try:
+            # auto (for restarts): resume when a good checkpoint exists, else start over, replacing (safely)
+            # whatever an attempt that died before its first checkpoint left.
+            replace = cfg.overwrite_output_dir or cfg.resume_training == "auto"
+            self.resume_from = self.run_dir.find_resume(cfg.resume_training, cfg.load_checkpoint, replace)
+            self._replaces_old_run = self.run_dir.check_existing(self.resume_from, replace)
+            self._build_model()
+        except BaseException:
+            self.run_dir.unlock()
+            raise
 
     # ---- set-up -------------------------------------------------------------------------------------------
     def _open_data(self) -> None:
@@ -115,44 +125,6 @@ class Trainer:
         rc = cfg.runner_config
         self.total_steps = rc.stop_step or rc.epochs * self.batches.per_epoch
 
-    def _find_resume(self) -> Path | None:
-        cfg = self.cfg
-        if not cfg.resume_training:
-            return None
-        if not cfg.load_checkpoint and not store.list_checkpoints(self.out):
-            self.console.log(f"resume_training: no checkpoint in {self.out} yet; starting from step 0")
-            return None
-        return store.resolve_checkpoint(cfg.load_checkpoint or self.out)
-
-    def _check_output_dir(self) -> None:
-        """A run never silently replaces another: only resuming this output_dir's own run, or
-        overwrite_output_dir, may write where checkpoints or metrics already are."""
-        root = store.checkpoint_root(self.out).resolve()
-        existing = store.list_checkpoints(self.out) or (self.out / "metrics.jsonl").exists()
-        resuming_here = self.resume_from is not None and self.resume_from.resolve().parent == root
-        if existing and not resuming_here and not (self.cfg.resume_training and self.resume_from is None):
-            if not self.cfg.overwrite_output_dir:
-                raise UserError(
-                    f"output_dir={str(self.out)!r} already holds a run (checkpoints or metrics.jsonl): "
-                    f"set resume_training: true to continue it, overwrite_output_dir: true to replace it, "
-                    f"or choose another output_dir"
-                )
-            source = self.resume_from or (
-                store.resolve_checkpoint(self.cfg.load_checkpoint) if self.cfg.load_checkpoint else None
-            )
-            if source is not None and root in source.resolve().parents:
-                raise UserError(
-                    f"load_checkpoint={str(source)!r} is inside output_dir, which overwrite_output_dir "
-                    f"would delete first: choose another output_dir"
-                )
-            self.env.barrier()
-            if self.env.rank == 0:
-                shutil.rmtree(root, ignore_errors=True)
-                (self.out / "metrics.jsonl").unlink(missing_ok=True)
-        self.env.barrier()
-        if self.env.rank == 0:
-            self.out.mkdir(parents=True, exist_ok=True)
-
     def _build_model(self) -> None:
         cfg = self.cfg
         built = build_parts(cfg, self.env)
@@ -162,15 +134,20 @@ class Trainer:
         # The input embedding is a lookup, not a matmul; a tied head does matmul work, so count it then.
         self.n_embedding = 0 if self.mc.tie_word_embeddings else built.model.embed_tokens.weight.numel()
         self.parts: ModelParts = built.parts
+        # What a checkpoint must hold for this model: every tensor by name and global shape, nothing else.
+        self.expected_shapes = {k: tuple(v.shape) for k, v in built.model.state_dict().items()}
         self.optimizer = Optimizers(self.parts.parts, cfg)
         self.schedule = Schedule(self.optimizer, cfg, self.total_steps)
         self.start_step = 0
+        self._saved_at = -1  # step of this run's newest checkpoint
+        self.skipped_steps = 0  # optimizer steps skipped for a non-finite loss or gradient norm, whole run
+        self.last_finite = True
         if self.resume_from is not None:
             self._restore(self.resume_from)
         elif cfg.load_checkpoint:
-            ckpt = store.resolve_checkpoint(cfg.load_checkpoint)
+            ckpt = self.run_dir.resolve(cfg.load_checkpoint)
             self._check_ckpt_tokenizer(ckpt)
-            store.load_model_weights(ckpt, self.parts.parts)
+            store.load_model_weights(ckpt, self.parts.parts, self.expected_shapes)
             self.console.log(f"loaded weights from {ckpt}")
 
     def _check_ckpt_tokenizer(self, ckpt: Path) -> None:
@@ -196,9 +173,10 @@ class Trainer:
                     f"load_checkpoint (resume_training: false)"
                 )
         self._check_ckpt_tokenizer(ckpt)
-        store.load_model_weights(ckpt, self.parts.parts)
+        store.load_model_weights(ckpt, self.parts.parts, self.expected_shapes)
         store.load_optimizer(ckpt, self.parts.parts, self.optimizer.items)
         self.start_step = int(state["step"])
+        self.skipped_steps = int(state.get("skipped_steps", 0))
         self.console.log(f"resumed from {ckpt} at step {self.start_step}")
 
     # ---- the loop -----------------------------------------------------------------------------------------
@@ -207,6 +185,8 @@ class Trainer:
         mons = {c.type: c for c in cfg.callbacks}
         print_every = mons["MFLossMonitor"].per_print_times if "MFLossMonitor" in mons else 1
         ckpt_cb = mons.get("CheckpointMonitor")
+        if self._replaces_old_run:
+            self.run_dir.replace_old()  # only now: this run's model is built and loaded, its data opened
         log = M.MetricsLog(self.out, env.is_metrics_rank, self.start_step if self.resume_from else None)
         compute_dtype = DTYPE[self.mc.compute_dtype]
         peak, peak_src = M.peak_flops(env.device, compute_dtype, cfg.monitor_config.peak_flops)
@@ -219,60 +199,84 @@ class Trainer:
         )
         mem_state: list[int] = []  # parameter + gradient + optimizer bytes, measured once after the first update
         first, last = None, {}
+        skips_in_a_row = 0
         self.parts.train()
-        self.console.start(self.total_steps, self.start_step)
-        for step in range(self.start_step, self.total_steps):
-            t0 = time.perf_counter()
-            tokens = self.batches.batch(self.train_ds, step).to(env.device)
-            inputs, labels = tokens[:, :-1], tokens[:, 1:]
-            lr = self.schedule.apply(step)
-            counter = M.ActivationCounter() if step == self.start_step and env.device.type == "cpu" else None
-            result = train_step(
-                self.parts,
-                self.optimizer,
-                env,
-                inputs,
-                labels,
-                n_micro=plan.n_micro,
-                ignore_index=self.mc.ignore_token_id,
-                max_grad_norm=clip_threshold(cfg),
-                capture=counter.hooks() if counter is not None else None,
-                # after the first update gradients and optimizer states all exist
-                after_update=None if mem_state else lambda: mem_state.append(self._state_bytes()),
-            )
-            loss, grad_norm = result.loss, result.grad_norm
-            if env.device.type == "cuda":
-                torch.cuda.synchronize(env.device)
-            dt = time.perf_counter() - t0
-            done = step + 1
-            rec = {
-                "step": done,
-                "loss": loss,
-                "lr": lr,
-                "grad_norm": grad_norm,
-                "tokens_per_s": tokens_per_step / dt,
-                "samples_per_s": plan.global_batch / dt,
-                "mfu": fpt * tokens_per_step / dt / (peak * env.world_size),
-                "step_time_s": dt,
-                "peak_mem_bytes": self._peak_mem(mem_state[0], counter, plan.n_micro),
-            }
-            if self.eval_ds is not None and self._eval_due(done):
-                rec["eval_loss"] = self.evaluate()
-            if not math.isfinite(loss):
-                self.console.log(f"step {done}: loss is {loss}; check learning_rate, data and gradient clipping")
-            log.write(rec)
-            first, last = first or rec, rec
-            self.console.step(done, rec, print_now=(done % print_every == 0 or done == self.total_steps))
-            if ckpt_cb is not None and done % ckpt_cb.save_checkpoint_steps == 0 and done < self.total_steps:
-                self.save(done, ckpt_cb.keep_checkpoint_max)
-        self.console.stop()
-        if first is not None:
-            self.console.log(
-                f"loss {first['loss']:.4f} (step {first['step']}) -> {last['loss']:.4f} "
-                f"(step {last['step']}); metrics in {self.out / 'metrics.jsonl'}"
-            )
-        if self.total_steps > self.start_step or not store.list_checkpoints(self.out):
-            self.save(self.total_steps, ckpt_cb.keep_checkpoint_max if ckpt_cb else 5)
+        keep = ckpt_cb.keep_checkpoint_max if ckpt_cb else 5
+        end = self.total_steps
+        with StopRequests(cfg.runner_config.preemption_grace_seconds, self.console.log) as stop:
+            self.console.start(self.total_steps, self.start_step)
+            for step in range(self.start_step, self.total_steps):
+                t0 = time.perf_counter()
+                tokens = self.batches.batch(self.train_ds, step).to(env.device)
+                inputs, labels = tokens[:, :-1], tokens[:, 1:]
+                lr = self.schedule.apply(step)
+                counter = M.ActivationCounter() if step == self.start_step and env.device.type == "cpu" else None
+                result = train_step(
+                    self.parts,
+                    self.optimizer,
+                    env,
+                    inputs,
+                    labels,
+                    n_micro=plan.n_micro,
+                    ignore_index=self.mc.ignore_token_id,
+                    max_grad_norm=clip_threshold(cfg),
+                    capture=counter.hooks() if counter is not None else None,
+                    # after the first update gradients and optimizer states all exist
+                    after_update=None if mem_state else lambda: mem_state.append(self._state_bytes()),
+                )
+                loss, grad_norm = result.loss, result.grad_norm
+                self.skipped_steps += result.skipped
+                self.last_finite = math.isfinite(loss) and math.isfinite(grad_norm)
+                skips_in_a_row = skips_in_a_row + 1 if result.skipped else 0
+                if env.device.type == "cuda":
+                    torch.cuda.synchronize(env.device)
+                dt = time.perf_counter() - t0
+                done = step + 1
+                rec = {
+                    "step": done,
+                    "loss": loss,
+                    "lr": lr,
+                    "grad_norm": grad_norm,
+                    "tokens_per_s": tokens_per_step / dt,
+                    "samples_per_s": plan.global_batch / dt,
+                    "mfu": fpt * tokens_per_step / dt / (peak * env.world_size),
+                    "step_time_s": dt,
+                    "peak_mem_bytes": self._peak_mem(mem_state[0] if mem_state else 0, counter, plan.n_micro),
+                    "skipped_steps": self.skipped_steps,
+                }
+                if self.eval_ds is not None and self._eval_due(done):
+                    rec["eval_loss"] = self.evaluate()
+                if result.skipped:
+                    self.console.log(
+                        f"step {done}: loss {loss} / grad norm {grad_norm} is not finite: optimizer step skipped "
+                        f"({skips_in_a_row} in a row, the run stops at {cfg.runner_wrapper.max_consecutive_skips})"
+                    )
+                log.write(rec)
+                if skips_in_a_row >= cfg.runner_wrapper.max_consecutive_skips:
+                    self.console.stop()
+                    good = [c for c in store.list_checkpoints(self.out) if store.saved_finite(c)]
+                    raise RunFailed(
+                        f"{skips_in_a_row} steps in a row (to step {done}) had a non-finite loss or gradient norm: "
+                        f"the run stopped. Newest checkpoint saved with a finite loss: "
+                        f"{good[-1].name if good else 'none'}. Lower learning_rate, check the data near step {done}, "
+                        f"then resume (load_checkpoint: that checkpoint)"
+                    )
+                first, last = first or rec, rec
+                self.console.step(done, rec, print_now=(done % print_every == 0 or done == self.total_steps))
+                if ckpt_cb is not None and done % ckpt_cb.save_checkpoint_steps == 0 and done < self.total_steps:
+                    self.save(done, keep)
+                if stop.agreed(env):  # a rank was signalled (preemption): everyone saves and returns
+                    end = done
+                    self.console.log(f"{stop.received}: stopping after step {done}; resume with resume_training")
+                    break
+            self.console.stop()
+            if first is not None:
+                self.console.log(
+                    f"loss {first['loss']:.4f} (step {first['step']}) -> {last['loss']:.4f} "
+                    f"(step {last['step']}); metrics in {self.out / 'metrics.jsonl'}"
+                )
+            if self._saved_at != end and (end > self.start_step or not store.list_checkpoints(self.out)):
+                self.save(end, keep)
         return last
 
     def _eval_due(self, done: int) -> bool:
@@ -307,6 +311,7 @@ class Trainer:
     # ---- checkpoints --------------------------------------------------------------------------------------
     def save(self, step: int, keep: int) -> None:
         env = self.env
+        self._saved_at = step
         path = store.checkpoint_root(self.out) / f"step_{step:08d}"
         state = {
             "step": step,
@@ -315,15 +320,21 @@ class Trainer:
             "seq_length": self.mc.seq_length,
             "tokenizer_hash": self.tokenizer_hash,
             "layout": {"data_parallel": env.dp_size, "model_parallel": env.tp_size, "pipeline_stage": env.pp_size},
+            "skipped_steps": self.skipped_steps,
+            "finite": self.last_finite,  # pruning never drops the newest finite checkpoint for non-finite ones
         }
         files = {
             "config.yaml": yaml.safe_dump(to_dict(self.cfg), sort_keys=False).encode(),
             "tokenizer.json": self.tokenizer_bytes,
         }
-        store.save_checkpoint(path, self.parts.parts, self.optimizer.items, state, files, env.rank == 0, env.barrier)
-        if env.rank == 0:
-            store.prune_checkpoints(self.out, keep)
+        store.save_checkpoint(
+            path, self.parts.parts, self.optimizer.items, state, files, env.rank == 0, env.barrier, env.all_ok
+        )
         self.console.log(f"saved checkpoint {path}")
+        self.run_dir.saved()
+        if env.rank == 0:
+            for gone in store.prune_checkpoints(self.out, keep):
+                self.console.log(f"removed old checkpoint {gone.name} (keep_checkpoint_max={keep})")
 
 
 def run_training(cfg: MeshformerConfig, notices: list[str] | None = None) -> dict:
@@ -331,4 +342,5 @@ def run_training(cfg: MeshformerConfig, notices: list[str] | None = None) -> dic
     try:
         return trainer.train()
     finally:
+        trainer.run_dir.unlock()
         trainer.env.shutdown()
