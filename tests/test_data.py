@@ -318,9 +318,13 @@ def test_refuses_overwrite_and_failed_overwrite_keeps_old(tok_dir, tmp_path):
     with pytest.raises(UserError, match="not an object"):
         preprocess([bad], tok_dir, out, overwrite=True, **QUIET)
     assert (out / "meta.json").read_bytes() == old_meta
-    (out / "stale.txt").write_text("x")
+    (out / "notes.txt").write_text("x")  # something the user put there: --overwrite must not delete it
+    with pytest.raises(UserError, match=r"not a dataset written by `meshformer preprocess` \(notes.txt\)"):
+        preprocess([f], tok_dir, out, overwrite=True, **QUIET)
+    assert (out / "notes.txt").read_text() == "x" and (out / "meta.json").read_bytes() == old_meta
+    (out / "notes.txt").unlink()
     preprocess([f], tok_dir, out, overwrite=True, val_fraction=0.5, **QUIET)
-    assert not (out / "stale.txt").exists() and json.loads((out / "meta.json").read_text())["val_fraction"] == 0.5
+    assert json.loads((out / "meta.json").read_text())["val_fraction"] == 0.5
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.jsonl", "bad.jsonl", "ds"]
 
 

@@ -289,3 +289,14 @@ def test_kv_cache_decoding_past_seq_length():
     cache = short.new_kv_cache(1, 14)
     steps = [short(x[:, :6], cache)] + [short(x[:, i : i + 1], cache) for i in range(6, 14)]
     torch.testing.assert_close(torch.cat(steps, 1), long(x), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [{}, {"tie_word_embeddings": True}, {"qkv_has_bias": True, "use_qk_norm": True}, {"n_kv_heads": 1, "head_dim": 8}],
+)
+def test_param_count_from_the_config_equals_the_built_model(kw):
+    from meshformer.models.llama import param_count
+
+    mc = tiny(**kw)
+    assert param_count(mc) == num_params(build_model(mc))

@@ -102,6 +102,17 @@ def run(args) -> int:
         return 0
     if args.verb == "explain" and args.markdown:
         print(markdown(), end="")
-    else:
-        print(explain_text(getattr(args, "prefix", "")))
+        return 0
+    prefix = getattr(args, "prefix", "")
+    text = explain_text(prefix)
+    if not text:
+        import difflib
+
+        from meshformer.errors import UserError
+
+        names = [name for name, *_ in iter_fields()]
+        guess = difflib.get_close_matches(prefix, names, n=1, cutoff=0.5)
+        hint = f"did you mean {guess[0]!r}?" if guess else "run `meshformer config explain` for every field"
+        raise UserError(f"config explain: no field starts with {prefix!r}: {hint}")
+    print(text)
     return 0

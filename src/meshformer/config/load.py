@@ -32,12 +32,43 @@ from meshformer.errors import UserError
 VALUE_ALIASES = {"CheckpointMointor": "CheckpointMonitor"}
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """yaml.SafeLoader that refuses a key given twice in one mapping (plain YAML keeps the last one silently,
+    so a pasted second `learning_rate:` would quietly win)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen: dict = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise UserError(
+                    f"{self.name}: key {key!r} appears twice in one section (lines {seen[key] + 1} and "
+                    f"{key_node.start_mark.line + 1}): keep one"
+                )
+            seen[key] = key_node.start_mark.line
+        return super().construct_mapping(node, deep=deep)
+
+
 def read_yaml(path: str | Path) -> dict:
     p = Path(path)
+    if p.is_dir():
+        raise UserError(f"config file {str(p)!r} is a directory: pass the path of a YAML file in it")
     if not p.is_file():
         raise UserError(f"config file {str(p)!r} not found: pass the path of a YAML file")
+    raw = p.read_bytes()
+    if b"\x00" in raw[:8192]:
+        raise UserError(f"config file {str(p)!r} is binary, not YAML: pass a YAML file")
     try:
-        data = yaml.safe_load(p.read_text(encoding="utf-8"))
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise UserError(f"config file {str(p)!r} is not UTF-8 text (byte {e.start}): pass a YAML file") from None
+    try:
+        loader = _UniqueKeyLoader(text)
+        loader.name = str(p)
+        try:
+            data = loader.get_single_data()
+        finally:
+            loader.dispose()
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
@@ -64,9 +95,10 @@ def parse_overrides(args: list[str]) -> list[tuple[str, Any]]:
         if "=" in key:
             key, raw = key.split("=", 1)
         else:
-            if i + 1 >= len(args):
-                raise UserError(f"override --{key} has no value: write --{key} VALUE")
-            raw = args[i + 1]
+            nxt = args[i + 1] if i + 1 < len(args) else None
+            if nxt is None or (nxt.startswith("--") and len(nxt) > 2):  # never swallow the next flag as a value
+                raise UserError(f"override --{key} has no value: write --{key} VALUE (or --{key}=VALUE)")
+            raw = nxt
             i += 1
         i += 1
         try:
@@ -142,10 +174,23 @@ def load_config(
     for key, value in parse_overrides(overrides or []):
         apply_override(data, key, value)
     cfg = from_dict(MeshformerConfig, data, (), notices if notices is not None else [])
+    _apply_family_defaults(cfg, data)
     from meshformer.config.validate import validate_config
 
     validate_config(cfg)
     return cfg
+
+
+# What `model_config.type` implies for the fields a file leaves out (a field the file sets always wins).
+FAMILY_DEFAULTS = {"Qwen2Config": {"qkv_has_bias": True}, "Qwen3Config": {"use_qk_norm": True}}
+
+
+def _apply_family_defaults(cfg: MeshformerConfig, data: dict) -> None:
+    mc = cfg.model.model_config
+    given = ((data.get("model") or {}).get("model_config") or {}) if isinstance(data.get("model"), dict) else {}
+    for name, value in FAMILY_DEFAULTS.get(mc.type, {}).items():
+        if name not in given:
+            setattr(mc, name, value)
 
 
 def from_dict(cls: type, data: Any, path: tuple, notices: list[str]) -> Any:

@@ -48,7 +48,7 @@ class RopeScalingConfig:
 class ModelConfig:
     type: str = setting(
         "LlamaConfig",
-        "Architecture family: LlamaConfig, Qwen2Config (q/k/v bias) or Qwen3Config (q/k norm).",
+        "Architecture family: LlamaConfig, Qwen2Config (q/k/v bias on by default) or Qwen3Config (q/k norm on).",
         choices=("LlamaConfig", "Qwen2Config", "Qwen3Config"),
     )
     seq_length: int = setting(2048, "Tokens per training sample (the context length trained on).", gt=0)

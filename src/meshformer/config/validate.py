@@ -72,6 +72,16 @@ def validate_run(cfg: MeshformerConfig, world_size: int | None) -> None:
     process group exists."""
     validate_layout(cfg, world_size)
     mc, pc = cfg.model.model_config, cfg.parallel_config
+    if cfg.run_mode == "predict":
+        raise UserError(
+            "run_mode=predict: training configs train; to predict, run "
+            "`meshformer generate --checkpoint OUTPUT_DIR --prompt TEXT`"
+        )
+    if cfg.run_mode == "eval":
+        raise UserError(
+            "run_mode=eval is not available yet: evaluate during training with eval_config.eval_interval and "
+            "do_eval: true, or set run_mode: train"
+        )
     if mc.compute_dtype == "float16":
         raise UserError(
             "model.model_config.compute_dtype=float16 needs dynamic loss scaling, which meshformer "

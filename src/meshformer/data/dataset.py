@@ -40,10 +40,26 @@ def read_meta(dataset_dir: str | Path, field: str = "train_dataset.data_loader.d
         )
     try:
         meta = json.loads(meta_path.read_text())
-    except json.JSONDecodeError as e:
-        raise UserError(f"{meta_path}: corrupt meta.json ({e.msg}): re-run `meshformer preprocess`") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        why = getattr(e, "msg", None) or "not UTF-8"
+        raise UserError(f"{meta_path}: corrupt meta.json ({why}): re-run `meshformer preprocess`") from None
+    if not isinstance(meta, dict):
+        raise UserError(f"{meta_path}: meta.json is a JSON {type(meta).__name__}, not an object: re-run preprocess")
     if meta.get("format") != FORMAT:
         raise UserError(f"{meta_path}: format {meta.get('format')!r} is not {FORMAT!r}: re-run `meshformer preprocess`")
+    splits, vocab = meta.get("splits"), meta.get("vocab_size")
+    problem = (
+        "dtype"
+        if meta.get("dtype") not in ("uint16", "uint32")
+        else "splits"
+        if not isinstance(splits, dict)
+        or not all(isinstance(v, dict) and isinstance(v.get("tokens"), int) for v in splits.values())
+        else "vocab_size"
+        if not isinstance(vocab, int) or isinstance(vocab, bool) or vocab < 1
+        else None
+    )
+    if problem:
+        raise UserError(f"{meta_path}: field {problem!r} is missing or malformed: re-run `meshformer preprocess`")
     return meta
 
 

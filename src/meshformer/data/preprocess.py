@@ -74,14 +74,60 @@ class _SplitWriter:
         return {"tokens": self.tokens, "documents": len(self.offsets)}
 
 
-def _check_output(out: Path, overwrite: bool) -> None:
+# Everything a dataset directory holds; --overwrite replaces only a directory made of these.
+WRITES = {"train.bin", "train.idx.npy", "validation.bin", "validation.idx.npy", "meta.json", "tokenizer.json"}
+
+
+def _check_output(out: Path, overwrite: bool, keep: tuple[Path, ...] = ()) -> None:
+    """--output must be new or empty; with --overwrite it may also be a dataset this command wrote, as long as it
+    holds none of `keep` (the inputs, the tokenizer): replacing it must never delete what it did not create."""
     if out.exists() and not out.is_dir():
         raise UserError(f"--output={str(out)!r} is a file: give a directory")
-    if out.is_dir() and any(out.iterdir()) and not overwrite:
+    if not out.is_dir() or not any(out.iterdir()):
+        return
+    if not overwrite:
         raise UserError(
             f"--output={str(out)!r} already exists and is not empty: pass --overwrite to replace it, "
             f"or choose another directory"
         )
+    root = out.resolve()
+    for k in keep:
+        if root == k.resolve() or root in k.resolve().parents:
+            raise UserError(
+                f"--output={str(out)!r} contains {str(k)!r}, which --overwrite would delete: write the dataset to "
+                f"another directory"
+            )
+    foreign = sorted(p.name for p in out.iterdir() if p.name not in WRITES)
+    if foreign or not (out / "meta.json").is_file():
+        what = f"{', '.join(foreign[:3])}{' ...' if len(foreign) > 3 else ''}" if foreign else "no meta.json"
+        raise UserError(
+            f"--output={str(out)!r} is not a dataset written by `meshformer preprocess` ({what}): --overwrite only "
+            f"replaces those; choose another directory"
+        )
+
+
+def clean_stale_temps(out: Path) -> list[Path]:
+    """Remove `.NAME.tmp-PID` / `.NAME.old-PID` siblings of --output left by preprocess runs that were killed
+    (their PID no longer runs); a live run's are left alone."""
+    gone = []
+    if not out.parent.is_dir():
+        return gone
+    for p in out.parent.glob(f".{out.name}.*-*"):
+        kind, _, pid = p.name[len(out.name) + 2 :].partition("-")
+        if kind in ("tmp", "old") and pid.isdigit() and p.is_dir() and not _alive(int(pid)):
+            shutil.rmtree(p, ignore_errors=True)
+            gone.append(p)
+    return gone
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _scan(paths, text_field, split_blank_lines, val_fraction, keep_duplicates) -> tuple[bytearray, dict]:
@@ -188,7 +234,10 @@ def preprocess(
         raise UserError(f"--val-fraction={val_fraction}: must be in [0, 1), e.g. 0.02")
     paths = resolve_inputs(inputs)
     out = Path(output)
-    _check_output(out, overwrite)
+    keep = (*paths, Path(tokenizer))
+    _check_output(out, overwrite, keep)
+    for p in clean_stale_temps(out):
+        console.print(f"removed {escape(str(p))}, left by a preprocess run that was killed", soft_wrap=True)
     tok, tok_file, tok_bytes = _open_tokenizer(tokenizer)
     ids, vocab = special_token_ids(tok, tokenizer), vocab_size(tok)
     dtype = np.dtype("<u2") if vocab <= 1 << 16 else np.dtype("<u4")
@@ -226,7 +275,7 @@ def preprocess(
             "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         }
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
-        _publish(tmp, out, overwrite)
+        _publish(tmp, out, overwrite, keep)
     finally:
         for w in writers.values():
             w.fh.close()  # no-op after close(); on failure, release the files before removing them
@@ -263,9 +312,9 @@ def _split_mode(decisions: bytearray, val_fraction: float, paths: list[Path]) ->
     return "tail"
 
 
-def _publish(tmp: Path, out: Path, overwrite: bool) -> None:
+def _publish(tmp: Path, out: Path, overwrite: bool, keep: tuple[Path, ...]) -> None:
     """Move the finished dataset into place; an existing one is removed only after the new one is there."""
-    _check_output(out, overwrite)  # again: something may have appeared there while we worked
+    _check_output(out, overwrite, keep)  # again: something may have appeared there while we worked
     if out.exists():
         old = out.parent / f".{out.name}.old-{os.getpid()}"
         out.rename(old)

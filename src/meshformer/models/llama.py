@@ -247,3 +247,15 @@ def num_params(model: nn.Module, exclude_embedding: bool = False) -> int:
     if exclude_embedding and getattr(model, "embed_tokens", None) is not None:
         n -= model.embed_tokens.weight.numel()
     return n
+
+
+def param_count(mc: ModelConfig) -> int:
+    """Parameters of the whole model from its config alone (no module built): what a size typo costs, known
+    before anything is allocated. Equals num_params(build_model(mc)) (tested)."""
+    h, hd, heads, kv, ffn = mc.hidden_size, mc.dim_per_head, mc.num_heads, mc.num_kv_heads, mc.ffn_hidden_size
+    attn = h * heads * hd + 2 * h * kv * hd + heads * hd * h
+    attn += (heads * hd + 2 * kv * hd) if mc.qkv_has_bias else 0
+    attn += 2 * hd if mc.use_qk_norm else 0
+    layer = attn + 3 * h * ffn + 2 * h
+    embed = mc.vocab_size * h * (1 if mc.tie_word_embeddings else 2)
+    return embed + mc.num_layers * layer + h

@@ -115,6 +115,11 @@ def local_device() -> torch.device:
     """This process's device: the GPU of its LOCAL_RANK when there are GPUs, else the CPU."""
     if torch.cuda.is_available():
         local = int(os.environ.get("LOCAL_RANK", "0"))
+        if local >= torch.cuda.device_count():
+            raise UserError(
+                f"LOCAL_RANK={local} but this node sees {torch.cuda.device_count()} GPU(s): start at most that "
+                f"many processes per node (--nproc-per-node), or fix CUDA_VISIBLE_DEVICES"
+            )
         torch.cuda.set_device(local)
         return torch.device("cuda", local)
     return torch.device("cpu")

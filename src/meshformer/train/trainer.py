@@ -25,6 +25,7 @@ from meshformer.errors import RunFailed, UserError
 from meshformer.models import num_params
 from meshformer.parallel import ModelParts, init_parallel
 from meshformer.parallel.dims import ParallelDims
+from meshformer.planner.fits import check_fits
 from meshformer.train import metrics as M
 from meshformer.train.optim import Optimizers, Schedule
 from meshformer.train.preemption import StopRequests
@@ -67,6 +68,7 @@ class Trainer:
         self.plan = BatchPlan.from_config(cfg, self.env.dims)
         self._act_bytes = 0  # saved-activation bytes of one micro-batch, measured on the first step (CPU)
         self._open_data()
+        check_fits(cfg, self.env.dims, self.env.device)  # a size typo fails here, before anything is allocated
         self.run_dir = RunDir(self.out, self.env, self.console.log)
         self.run_dir.lock()
         try:
@@ -124,6 +126,12 @@ class Trainer:
         self.batches = GlobalBatches(order, self.plan.global_batch, self.env.dp_rank, self.env.dp_size)
         rc = cfg.runner_config
         self.total_steps = rc.stop_step or rc.epochs * self.batches.per_epoch
+        ls = cfg.lr_schedule
+        if 0 < ls.total_steps < self.total_steps:
+            self.console.log(
+                f"warning: lr_schedule.total_steps={ls.total_steps} is shorter than the run ({self.total_steps} "
+                f"steps): from step {ls.total_steps} on the learning rate stays at lr_end={ls.lr_end:g}"
+            )
 
     def _build_model(self) -> None:
         cfg = self.cfg
@@ -207,7 +215,13 @@ class Trainer:
             self.console.start(self.total_steps, self.start_step)
             for step in range(self.start_step, self.total_steps):
                 t0 = time.perf_counter()
-                tokens = self.batches.batch(self.train_ds, step).to(env.device)
+                tokens = self.batches.batch(self.train_ds, step)
+                if int(tokens.max()) >= self.mc.vocab_size:  # a corrupt or foreign token file
+                    raise UserError(
+                        f"train_dataset: global batch {step} holds token id {int(tokens.max())} but "
+                        f"model.model_config.vocab_size is {self.mc.vocab_size}: re-run `meshformer preprocess`"
+                    )
+                tokens = tokens.to(env.device)
                 inputs, labels = tokens[:, :-1], tokens[:, 1:]
                 lr = self.schedule.apply(step)
                 counter = M.ActivationCounter() if step == self.start_step and env.device.type == "cpu" else None

@@ -1,0 +1,1 @@
+"""Knowing before running: memory and throughput estimates from the config alone (no model built)."""
