@@ -131,10 +131,25 @@ def backend_for(device: torch.device) -> str:
 
 
 def start_process_group(device: torch.device, timeout_s: float) -> None:
-    """init_process_group once per process (tests run several layouts on one group)."""
-    if not dist.is_initialized():
-        # The timeout turns a dead or stuck rank into an error on the others instead of a hang.
-        dist.init_process_group(backend=backend_for(device), timeout=datetime.timedelta(seconds=timeout_s))
+    """init_process_group once per process (tests run several layouts on one group).
+
+    The timeout turns a dead or stuck rank into an error on the others instead of a hang. Under torchrun each
+    restart attempt gets its own key prefix in the rendezvous store: the store outlives an attempt, and a
+    restarted rank could otherwise read a dead rank's gloo address from the attempt before (measured: about
+    one restart in three failed with "connectFullMesh ... Connection refused").
+    """
+    if dist.is_initialized():
+        return
+    timeout = datetime.timedelta(seconds=timeout_s)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is None:
+        dist.init_process_group(backend=backend_for(device), timeout=timeout)
+        return
+    from torch.distributed.rendezvous import rendezvous
+
+    store, rank, world = next(rendezvous("env://", timeout=timeout))
+    store = dist.PrefixStore(f"meshformer/attempt_{attempt}/", store)
+    dist.init_process_group(backend=backend_for(device), store=store, rank=rank, world_size=world, timeout=timeout)
 
 
 def init_parallel(cfg: MeshformerConfig, world_size: int | None = None) -> ParallelEnv:

@@ -26,6 +26,7 @@ from meshformer.checkpoint import store
 from meshformer.errors import UserError
 
 LOCK = ".lock"
+RESTART_WAIT_S = 90  # how long a restarted attempt waits for its previous attempt's rank 0 to let go
 REPLACED = ".replaced-"
 
 
@@ -61,17 +62,26 @@ class RunDir:
         self.out.mkdir(parents=True, exist_ok=True)
         path = self.out / LOCK
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.read(fd, 512).decode(errors="replace").strip() or "another process"
-            os.close(fd)
-            raise UserError(
-                f"output_dir={str(self.out)!r} is in use by a running meshformer job ({holder}): wait for it, "
-                f"stop it, or choose another output_dir"
-            ) from None
+        job = os.environ.get("TORCHELASTIC_RUN_ID", "")
+        deadline = time.monotonic() + RESTART_WAIT_S
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                holder = os.pread(fd, 512, 0).decode(errors="replace").strip() or "another process"
+                # A restart of this same torchrun job: the previous attempt's rank 0 may still be exiting.
+                same_job = bool(job) and f'"job": "{job}"' in holder
+                if not same_job or time.monotonic() > deadline:
+                    os.close(fd)
+                    raise UserError(
+                        f"output_dir={str(self.out)!r} is in use by a running meshformer job ({holder}): wait "
+                        f"for it, stop it, or choose another output_dir"
+                    ) from None
+                time.sleep(0.2)
         os.ftruncate(fd, 0)
-        os.write(fd, json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "since": _now()}).encode())
+        me = {"host": socket.gethostname(), "pid": os.getpid(), "since": _now(), "job": job}
+        os.pwrite(fd, json.dumps(me).encode(), 0)
         self._lock_fd = fd
         for p in store.clean_leftovers(self.out):
             self.log(f"removed {p}, left by a save that was interrupted")

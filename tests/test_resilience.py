@@ -1,0 +1,225 @@
+"""Machines die: SIGKILL at random moments (inside saves too), restarts under torchrun, a changed layout.
+
+Every interrupted run is resumed with `resume_training: auto` until it completes; its metrics must then equal an
+uninterrupted run's bit for bit (fp32, CPU): the checkpoint holds everything the continuation depends on, and a
+half-written save is never picked.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import tiny_overrides
+
+STEPS = 80  # long enough that 20 kills, each after at least one new step, land before the end
+EVERY_STEP = "[{type: MFLossMonitor, per_print_times: 100}, {type: CheckpointMonitor, save_checkpoint_steps: 1, keep_checkpoint_max: 2}]"  # noqa: E501
+EMPTY = str(Path(__file__).parent / "empty.yaml")
+
+
+def _env() -> dict:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env.pop("WORLD_SIZE", None)
+    return env
+
+
+def _cmd(dataset: Path, out: Path, nproc: int, extra: dict) -> list[str]:
+    args = tiny_overrides(
+        dataset,
+        out,
+        {
+            "runner_config.stop_step": STEPS,
+            "lr_schedule.total_steps": STEPS,
+            "resume_training": "auto",
+            "callbacks": EVERY_STEP,
+            **extra,
+        },
+    )
+    if nproc == 1:
+        return [sys.executable, "-m", "meshformer", "train", EMPTY, *args]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(nproc),
+        "-m",
+        "meshformer",
+        "train",
+        EMPTY,
+        *args,
+    ]
+
+
+def _metrics(out: Path) -> list[tuple]:
+    path = out / "metrics.jsonl"
+    if not path.exists():
+        return []
+    recs = [json.loads(ln) for ln in path.read_text().splitlines() if ln.endswith("}")]
+    return [(r["step"], r["loss"], r["grad_norm"], r.get("eval_loss")) for r in recs]
+
+
+def _run_with_kills(dataset: Path, out: Path, nproc: int, extra: dict, kills: int, seed: int) -> dict:
+    """Start, SIGKILL the whole job at a random moment after training began, resume; `kills` times, then finish."""
+    rng = random.Random(seed)
+    stats = {"kills": 0, "inside_save": 0, "attempts": 0}
+    while True:
+        stats["attempts"] += 1
+        assert stats["attempts"] < kills + 10, "the run does not complete"
+        before = len(_metrics(out))
+        proc = subprocess.Popen(
+            _cmd(dataset, out, nproc, extra),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            env=_env(),
+            start_new_session=True,
+        )
+        if stats["kills"] >= kills:
+            _, err = proc.communicate(timeout=300)
+            assert proc.returncode == 0, err[-3000:]
+            return stats
+        t0 = time.time()
+        while len(_metrics(out)) <= before and proc.poll() is None and time.time() - t0 < 120:
+            time.sleep(0.01)
+        time.sleep(rng.uniform(0.0, 0.15 * nproc))  # a step plus its save takes ~20-60 ms here, per process
+        if proc.poll() is None:
+            stats["inside_save"] += any((out / "checkpoint").glob("*.tmp"))
+            os.killpg(proc.pid, signal.SIGKILL)
+            stats["kills"] += 1
+        proc.wait()
+        if proc.returncode == 0 and stats["kills"] < kills and len(_metrics(out)) == STEPS:
+            return stats  # finished before the kill landed
+
+
+@pytest.fixture(scope="module")
+def references(tiny_dataset, tmp_path_factory) -> dict:
+    refs = {}
+    for name, nproc, extra in (("single", 1, {}), ("dp2xtp2", 4, LAYOUT)):
+        out = tmp_path_factory.mktemp(name) / "run"
+        r = subprocess.run(
+            _cmd(tiny_dataset, out, nproc, extra), capture_output=True, text=True, env=_env(), timeout=300
+        )
+        assert r.returncode == 0, r.stderr[-3000:]
+        refs[name] = _metrics(out)
+        assert len(refs[name]) == STEPS
+    return refs
+
+
+LAYOUT = {"parallel_config.data_parallel": 2, "parallel_config.model_parallel": 2}
+
+
+def test_sigkill_at_twenty_random_moments_then_resume_equals_uninterrupted(tiny_dataset, tmp_path, references):
+    out = tmp_path / "run"
+    stats = _run_with_kills(tiny_dataset, out, 1, {}, kills=20, seed=0)
+    print(f"single process: {stats}")
+    assert stats["kills"] >= 15
+    assert _metrics(out) == references["single"]
+
+
+def test_sigkill_dp2xtp2_then_resume_equals_uninterrupted(tiny_dataset, tmp_path, references):
+    out = tmp_path / "run"
+    stats = _run_with_kills(tiny_dataset, out, 4, LAYOUT, kills=20, seed=1)
+    print(f"dp2xtp2: {stats}")
+    assert stats["kills"] >= 15
+    assert _metrics(out) == references["dp2xtp2"]
+
+
+def _close(a: list[tuple], b: list[tuple], rtol: float = 1e-6) -> bool:
+    return len(a) == len(b) and all(
+        x[0] == y[0] and all(abs(u - v) <= rtol * max(abs(v), 1e-12) for u, v in zip(x[1:3], y[1:3]))
+        for x, y in zip(a, b)
+    )
+
+
+# (name, processes, overrides): each has global batch 8, as the dp2xtp2 run (micro batch 4 x dp 2)
+LAYOUTS = [
+    (
+        "dp2xtp2xpp2",
+        8,
+        {
+            **LAYOUT,
+            "parallel_config.pipeline_stage": 2,
+            "parallel_config.micro_batch_num": 2,
+            "train_dataset.batch_size": 2,
+        },
+    ),
+    ("pp2", 2, {"parallel_config.pipeline_stage": 2, "parallel_config.micro_batch_num": 2}),
+    ("single", 1, {"runner_config.gradient_accumulation_steps": 2}),
+]
+
+
+def test_a_checkpoint_resumes_under_other_layouts(tiny_dataset, tmp_path, references):
+    import shutil
+
+    saved = tmp_path / "dp2xtp2"
+    r = subprocess.run(
+        _cmd(tiny_dataset, saved, 4, {**LAYOUT, "runner_config.stop_step": 6}),
+        capture_output=True,
+        text=True,
+        env=_env(),
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    continuation = references["dp2xtp2"][6:12]  # six steps on: rounding differs by layout and grows with steps
+    for name, nproc, extra in LAYOUTS:
+        out = tmp_path / name
+        shutil.copytree(saved, out)
+        r = subprocess.run(
+            _cmd(tiny_dataset, out, nproc, {**extra, "resume_training": True, "runner_config.stop_step": 12}),
+            capture_output=True,
+            text=True,
+            env=_env(),
+            timeout=300,
+        )
+        assert r.returncode == 0, (name, r.stderr[-3000:])
+        got = _metrics(out)[6:]
+        worst = max(abs(u - v) / abs(v) for x, y in zip(got, continuation) for u, v in zip(x[1:3], y[1:3]))
+        print(f"{name}: steps 7-12 within {worst:.1e} of dp2xtp2")
+        assert _close(got, continuation), (name, got, continuation)
+
+
+def test_torchrun_restarts_a_job_that_lost_a_rank_and_it_finishes_like_an_uninterrupted_one(tiny_dataset, tmp_path):
+    dp2 = {"parallel_config.data_parallel": 2}
+    ref = tmp_path / "ref"
+    r = subprocess.run(_cmd(tiny_dataset, ref, 2, dp2), capture_output=True, text=True, env=_env(), timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = tmp_path / "run"
+    cmd = _cmd(tiny_dataset, out, 2, {**dp2, "runner_config.stop_step": STEPS})
+    cmd.insert(cmd.index("--standalone"), "--max-restarts=1")
+    log = tmp_path / "torchrun.log"  # a file, not a pipe: an undrained pipe fills up and blocks the job
+    proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=_env())
+    t0 = time.time()
+    while len(_metrics(out)) < 4 and time.time() - t0 < 120:
+        assert proc.poll() is None, log.read_text()[-3000:]
+        time.sleep(0.01)
+    victim = _worker_pids(str(out))[-1]
+    os.kill(victim, signal.SIGKILL)  # one rank dies; torchrun restarts the group; `auto` resumes it
+    proc.wait(timeout=300)
+    text = log.read_text()
+    assert proc.returncode == 0, text[-3000:]
+    assert "resumed from" in text and "failed (exitcode: -9)" in text  # the lost rank, then the resumed attempt
+    assert _metrics(out) == _metrics(ref)
+
+
+def _worker_pids(marker: str) -> list[int]:
+    pids = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit() or int(d.name) == os.getpid():
+            continue
+        try:
+            cmd = (d / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        text = b" ".join(cmd).decode(errors="replace")
+        if marker in text and "torch.distributed.run" not in text:
+            pids.append(int(d.name))
+    return sorted(pids)
