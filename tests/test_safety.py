@@ -307,3 +307,46 @@ def test_ckpt_info_verify_and_merge(tiny_dataset, tmp_path, capsys):
     before = checksums(tmp_path)
     assert main(["ckpt", "merge", str(out), "--output", str(merged)]) == 2  # no silent overwrite
     assert "already exists" in capsys.readouterr().err and checksums(tmp_path) == before
+
+
+# ---------------------------------------------------------------- loss spikes roll back
+
+
+def _inject_spike_at(monkeypatch, call: int, factor: float = 100.0):
+    """The step function reports a loss `factor` times too high on its `call`-th call (the update still happens,
+    as a real spike's would): the trainer must roll back past it."""
+    import meshformer.train.trainer as trainer_module
+
+    real, calls = trainer_module.train_step, []
+
+    def spiky(*a, **kw):
+        r = real(*a, **kw)
+        calls.append(1)
+        if len(calls) == call:
+            r.loss *= factor
+        return r
+
+    monkeypatch.setattr(trainer_module, "train_step", spiky)
+
+
+def test_a_loss_spike_rolls_back_skips_its_batches_and_resumes_exactly(tiny_dataset, tmp_path, monkeypatch, capsys):
+    spike = {"runner_wrapper.loss_spike_factor": 3.0, "callbacks": EVERY_STEP, "lr_schedule.total_steps": 30}
+    _inject_spike_at(monkeypatch, 15)
+    full = run(tiny_dataset, tmp_path / "full", **{"runner_config.stop_step": 30, **spike})
+    log = capsys.readouterr().out
+    assert "step 15: loss" in log and "rolled back to step_00000014 and skipped its 1 batch(es)" in log
+    assert [r["step"] for r in full] == list(range(1, 31))  # the spiky step was never logged
+    assert [r["rollbacks"] for r in full] == [0] * 14 + [1] * 16
+    assert all(math.isfinite(r["loss"]) and r["loss"] < 7 for r in full) and full[-1]["loss"] < full[0]["loss"]
+    state = json.loads((store.list_checkpoints(tmp_path / "full")[-1] / "trainer_state.json").read_text())
+    assert state["data_offset"] == 1 and state["rollbacks"] == 1
+    # The redone step 15 read the next batch: its loss differs from a run without the spike.
+    monkeypatch.undo()
+    plain = run(tiny_dataset, tmp_path / "plain", **{"runner_config.stop_step": 15, **spike})
+    assert plain[13] == {**plain[13], "loss": full[13]["loss"]} and plain[14]["loss"] != full[14]["loss"]
+    # Stopped after the rollback and resumed: the offset comes back from the checkpoint, bit for bit.
+    _inject_spike_at(monkeypatch, 15)
+    run(tiny_dataset, tmp_path / "split", **{"runner_config.stop_step": 20, **spike})
+    monkeypatch.undo()
+    resumed = run(tiny_dataset, tmp_path / "split", **{"runner_config.stop_step": 30, "resume_training": True, **spike})
+    assert losses(resumed) == losses(full)

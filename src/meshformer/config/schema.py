@@ -279,6 +279,12 @@ class RunnerWrapperConfig:
     scale_sense: float | dict = setting(
         {}, "MindSpore loss scaling: a fixed scale or a DynamicLossScaleUpdateCell (accepted; bf16 needs none)."
     )
+    loss_spike_factor: float = setting(
+        0.0,
+        "Roll back when a step's loss exceeds this many times the mean of the last 20 (after warm-up): reload the "
+        "newest checkpoint, skip the batches since; 0: off.",
+        ge=0,
+    )
     max_consecutive_skips: int = setting(
         3,
         "A step whose loss or gradient norm is not finite is skipped (no update); after this many in a row the "

@@ -111,12 +111,16 @@ class MetricsLog:
         self.path = Path(output_dir) / "metrics.jsonl"
         self.enabled = enabled
         if enabled and resume_step is not None and self.path.exists():
-            # Drop what the interrupted run logged after the checkpoint it resumes from: one line per step.
-            # A line cut off by a crash mid-write is dropped with the rest of what follows the checkpoint.
-            kept = [ln for ln in self.path.read_text().splitlines() if (_step(ln) or resume_step + 1) <= resume_step]
-            self.path.write_text("".join(k + "\n" for k in kept))
+            self.truncate(resume_step)
         elif enabled and resume_step is None and self.path.exists():
             self.path.unlink()
+
+    def truncate(self, step: int) -> None:
+        """Drop what was logged after `step` (resume from, or roll back to, a checkpoint of that step). A line cut
+        off by a crash mid-write is dropped with the rest of what follows the checkpoint."""
+        if self.enabled and self.path.exists():
+            kept = [ln for ln in self.path.read_text().splitlines() if (_step(ln) or step + 1) <= step]
+            self.path.write_text("".join(k + "\n" for k in kept))
 
     def write(self, record: dict) -> None:
         if self.enabled:

@@ -30,7 +30,8 @@ from meshformer.train import metrics as M
 from meshformer.train.optim import Optimizers, Schedule
 from meshformer.train.preemption import StopRequests
 from meshformer.train.progress import Progress
-from meshformer.train.run_dir import RunDir
+from meshformer.train.run_dir import RunDir, on_rank0
+from meshformer.train.spikes import MAX_ROLLBACKS, SpikeDetector
 from meshformer.train.step import build_parts, clip_threshold, evaluate, train_step
 
 
@@ -148,6 +149,8 @@ class Trainer:
         self.schedule = Schedule(self.optimizer, cfg, self.total_steps)
         self.start_step = 0
         self._saved_at = -1  # step of this run's newest checkpoint
+        self.data_offset = 0  # global batches skipped by loss-spike rollbacks (step s reads batch s + offset)
+        self.rollbacks = 0
         self.skipped_steps = 0  # optimizer steps skipped for a non-finite loss or gradient norm, whole run
         self.last_finite = True
         if self.resume_from is not None:
@@ -185,6 +188,8 @@ class Trainer:
         store.load_optimizer(ckpt, self.parts.parts, self.optimizer.items)
         self.start_step = int(state["step"])
         self.skipped_steps = int(state.get("skipped_steps", 0))
+        self.data_offset = int(state.get("data_offset", 0))
+        self.rollbacks = int(state.get("rollbacks", 0))
         self.console.log(f"resumed from {ckpt} at step {self.start_step}")
 
     # ---- the loop -----------------------------------------------------------------------------------------
@@ -213,12 +218,15 @@ class Trainer:
         end = self.total_steps
         with StopRequests(cfg.runner_config.preemption_grace_seconds, self.console.log) as stop:
             self.console.start(self.total_steps, self.start_step)
-            for step in range(self.start_step, self.total_steps):
+            spikes = SpikeDetector(cfg.runner_wrapper.loss_spike_factor)
+            step = self.start_step
+            while step < self.total_steps:
                 t0 = time.perf_counter()
-                tokens = self.batches.batch(self.train_ds, step)
+                batch_index = step + self.data_offset  # > step once a rollback skipped the batches of a spike
+                tokens = self.batches.batch(self.train_ds, batch_index)
                 if int(tokens.max()) >= self.mc.vocab_size:  # a corrupt or foreign token file
                     raise UserError(
-                        f"train_dataset: global batch {step} holds token id {int(tokens.max())} but "
+                        f"train_dataset: global batch {batch_index} holds token id {int(tokens.max())} but "
                         f"model.model_config.vocab_size is {self.mc.vocab_size}: re-run `meshformer preprocess`"
                     )
                 tokens = tokens.to(env.device)
@@ -246,6 +254,9 @@ class Trainer:
                     torch.cuda.synchronize(env.device)
                 dt = time.perf_counter() - t0
                 done = step + 1
+                if spikes.is_spike(done, loss, after_warmup=step >= self.schedule.kw["warmup"]):
+                    step = self._roll_back(done, loss, spikes, log)
+                    continue
                 rec = {
                     "step": done,
                     "loss": loss,
@@ -257,6 +268,7 @@ class Trainer:
                     "step_time_s": dt,
                     "peak_mem_bytes": self._peak_mem(mem_state[0] if mem_state else 0, counter, plan.n_micro),
                     "skipped_steps": self.skipped_steps,
+                    "rollbacks": self.rollbacks,
                 }
                 if self.eval_ds is not None and self._eval_due(done):
                     rec["eval_loss"] = self.evaluate()
@@ -283,6 +295,7 @@ class Trainer:
                     end = done
                     self.console.log(f"{stop.received}: stopping after step {done}; resume with resume_training")
                     break
+                step = done
             self.console.stop()
             if first is not None:
                 self.console.log(
@@ -292,6 +305,38 @@ class Trainer:
             if self._saved_at != end and (end > self.start_step or not store.list_checkpoints(self.out)):
                 self.save(end, keep)
         return last
+
+    def _roll_back(self, spike_step: int, loss: float, spikes: SpikeDetector, log) -> int:
+        """Reload the newest good checkpoint of this run and skip the batches since it; returns its step."""
+        self.rollbacks += 1
+        mean = spikes.mean()
+        if self.rollbacks > MAX_ROLLBACKS:
+            raise RunFailed(
+                f"step {spike_step}: loss {loss:.4g} is another spike ({loss / mean:.1f}x the recent mean) after "
+                f"{MAX_ROLLBACKS} rollbacks: the run stopped; lower learning_rate or raise loss_spike_factor"
+            )
+        ckpt = on_rank0(self.env, lambda: str(store.newest_good(self.out)[0] or ""))
+        if not ckpt:
+            raise RunFailed(
+                f"step {spike_step}: loss {loss:.4g} is {loss / mean:.1f}x the recent mean {mean:.4g} but "
+                f"{self.out} has no checkpoint to roll back to: save more often (save_checkpoint_steps)"
+            )
+        ckpt = Path(ckpt)
+        state = store.read_trainer_state(ckpt)
+        back = int(state["step"])
+        store.load_model_weights(ckpt, self.parts.parts, self.expected_shapes)
+        store.load_optimizer(ckpt, self.parts.parts, self.optimizer.items)
+        skipped = spike_step - back  # the batches of steps back+1 .. spike_step
+        self.data_offset = int(state.get("data_offset", 0)) + skipped
+        self.skipped_steps = int(state.get("skipped_steps", 0))
+        spikes.forget_after(back)
+        log.truncate(back)
+        self.console.log(
+            f"step {spike_step}: loss {loss:.4g} is {loss / mean:.1f}x the mean {mean:.4g} of the last "
+            f"{len(spikes.history)} steps: rolled back to {ckpt.name} and skipped its {skipped} batch(es) after "
+            f"it (rollback {self.rollbacks} of at most {MAX_ROLLBACKS})"
+        )
+        return back
 
     def _eval_due(self, done: int) -> bool:
         every = self.cfg.eval_config.eval_interval
@@ -335,6 +380,8 @@ class Trainer:
             "tokenizer_hash": self.tokenizer_hash,
             "layout": {"data_parallel": env.dp_size, "model_parallel": env.tp_size, "pipeline_stage": env.pp_size},
             "skipped_steps": self.skipped_steps,
+            "data_offset": self.data_offset,
+            "rollbacks": self.rollbacks,
             "finite": self.last_finite,  # pruning never drops the newest finite checkpoint for non-finite ones
         }
         files = {
