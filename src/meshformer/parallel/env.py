@@ -79,10 +79,13 @@ class ParallelEnv:
         return t
 
     def all_ok(self, ok: bool) -> bool:
-        """True only when every rank passes True (a collective: every rank must call it)."""
+        """True only when every rank passes True (a collective: every rank must call it).
+
+        The flag is a CPU tensor, reduced over gloo (the process group pairs gloo with NCCL on GPUs): reading it
+        back never waits for the GPU's queue, so calling this every step adds no device sync."""
         if not self.distributed:
             return ok
-        flag = torch.tensor([0.0 if ok else 1.0], device=self.device)
+        flag = torch.tensor([0.0 if ok else 1.0])
         dist.all_reduce(flag, op=dist.ReduceOp.SUM)
         return float(flag) == 0.0
 
