@@ -254,7 +254,10 @@ class Trainer:
                     torch.cuda.synchronize(env.device)
                 dt = time.perf_counter() - t0
                 done = step + 1
-                if spikes.is_spike(done, loss, after_warmup=step >= self.schedule.kw["warmup"]):
+                spike = spikes.is_spike(done, loss, after_warmup=step >= self.schedule.kw["warmup"])
+                if spikes.enabled and env.pp_size > 1:  # only the last stage sees the loss: all ranks follow it
+                    spike = not env.all_ok(not spike)
+                if spike:
                     step = self._roll_back(done, loss, spikes, log)
                     continue
                 rec = {
@@ -309,16 +312,18 @@ class Trainer:
     def _roll_back(self, spike_step: int, loss: float, spikes: SpikeDetector, log) -> int:
         """Reload the newest good checkpoint of this run and skip the batches since it; returns its step."""
         self.rollbacks += 1
-        mean = spikes.mean()
+        # Only the last pipeline stage has the losses; other ranks follow its decision and log nothing.
+        mean = spikes.mean() if spikes.history else 0.0
+        ratio = loss / mean if mean else float("nan")
         if self.rollbacks > MAX_ROLLBACKS:
             raise RunFailed(
-                f"step {spike_step}: loss {loss:.4g} is another spike ({loss / mean:.1f}x the recent mean) after "
+                f"step {spike_step}: loss {loss:.4g} is another spike ({ratio:.1f}x the recent mean) after "
                 f"{MAX_ROLLBACKS} rollbacks: the run stopped; lower learning_rate or raise loss_spike_factor"
             )
         ckpt = on_rank0(self.env, lambda: str(store.newest_good(self.out)[0] or ""))
         if not ckpt:
             raise RunFailed(
-                f"step {spike_step}: loss {loss:.4g} is {loss / mean:.1f}x the recent mean {mean:.4g} but "
+                f"step {spike_step}: loss {loss:.4g} is {ratio:.1f}x the recent mean {mean:.4g} but "
                 f"{self.out} has no checkpoint to roll back to: save more often (save_checkpoint_steps)"
             )
         ckpt = Path(ckpt)
@@ -326,13 +331,15 @@ class Trainer:
         back = int(state["step"])
         store.load_model_weights(ckpt, self.parts.parts, self.expected_shapes)
         store.load_optimizer(ckpt, self.parts.parts, self.optimizer.items)
-        skipped = spike_step - back  # the batches of steps back+1 .. spike_step
-        self.data_offset = int(state.get("data_offset", 0)) + skipped
+        # Step `back` on must read the batch after the spike's. Counted from this run's current offset, not the
+        # checkpoint's, so a second rollback to the same checkpoint also skips what the first replay read.
+        skipped = spike_step + self.data_offset - back - int(state.get("data_offset", 0))
+        self.data_offset += spike_step - back
         self.skipped_steps = int(state.get("skipped_steps", 0))
         spikes.forget_after(back)
         log.truncate(back)
         self.console.log(
-            f"step {spike_step}: loss {loss:.4g} is {loss / mean:.1f}x the mean {mean:.4g} of the last "
+            f"step {spike_step}: loss {loss:.4g} is {ratio:.1f}x the mean {mean:.4g} of the last "
             f"{len(spikes.history)} steps: rolled back to {ckpt.name} and skipped its {skipped} batch(es) after "
             f"it (rollback {self.rollbacks} of at most {MAX_ROLLBACKS})"
         )
