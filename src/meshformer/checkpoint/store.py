@@ -40,7 +40,7 @@ from meshformer.errors import UserError
 STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
-def _dcp(fn, *args, **kwargs):
+def dcp_call(fn, *args, **kwargs):
     """Call a DCP function. In one process DCP warns on every call that no process group exists, which is the
     intended use here: that one warning is silenced for the call only (no filter outlives it)."""
     with warnings.catch_warnings():
@@ -158,7 +158,7 @@ def save_checkpoint(
             tmp.mkdir(parents=True)
         barrier()
         for sd, sub in ((_model_sd(parts), "model"), (_optim_sd(parts, optimizers), "optim")):
-            _dcp(dcp.save, sd, storage_writer=dcp.HuggingFaceStorageWriter(str(tmp / sub), save_distributed=True))
+            dcp_call(dcp.save, sd, storage_writer=dcp.HuggingFaceStorageWriter(str(tmp / sub), save_distributed=True))
         barrier()
         if is_writer_rank:
             for name, data in extra_files.items():
@@ -209,13 +209,19 @@ def _replace_dir(new: Path, target: Path) -> None:
         new.rename(target)
 
 
+def tensor_metadata(where: Path) -> dict:
+    """{tensor name: DCP tensor metadata (size, dtype)} of one saved state dict, no tensor data read."""
+    md = dcp_call(dcp.HuggingFaceStorageReader(str(where)).read_metadata)
+    return {k: v for k, v in md.state_dict_metadata.items() if hasattr(v, "size")}
+
+
 def checkpoint_shapes(path: Path) -> dict[str, tuple[int, ...]]:
-    """{tensor name: shape} of a checkpoint's model weights, from DCP's metadata (no tensor data read)."""
+    """{tensor name: shape} of a checkpoint's model weights."""
     try:
-        md = _dcp(dcp.HuggingFaceStorageReader(str(path / "model")).read_metadata)
+        meta = tensor_metadata(path / "model")
     except (OSError, ValueError, KeyError, RuntimeError) as e:
         raise UserError(f"checkpoint {str(path)!r}: its model metadata is unreadable ({_reason(e)})") from None
-    return {k: tuple(v.size) for k, v in md.state_dict_metadata.items() if hasattr(v, "size")}
+    return {k: tuple(v.size) for k, v in meta.items()}
 
 
 def check_model_fits(path: Path, expected: dict[str, tuple[int, ...]], complete: bool = True) -> None:
@@ -244,16 +250,12 @@ def load_model_weights(path: Path, parts, expected: dict[str, tuple[int, ...]] |
     against the checkpoint first (default: the parts' own tensors, which must all be present)."""
     sd = _model_sd(parts)
     if expected is None:
-        check_model_fits(path, {k: _global_shape(v) for k, v in sd.items()}, complete=False)
+        check_model_fits(path, {k: tuple(v.shape) for k, v in sd.items()}, complete=False)  # DTensor: global
     else:
         check_model_fits(path, expected)
     _dcp_load(sd, path / "model")
     for m in parts:
         set_model_state_dict(m, sd, options=StateDictOptions(strict=False))
-
-
-def _global_shape(t) -> tuple[int, ...]:
-    return tuple(t.shape)  # a DTensor's shape is its global shape
 
 
 def load_optimizer(path: Path, parts, optimizers) -> None:
@@ -267,7 +269,7 @@ def load_optimizer(path: Path, parts, optimizers) -> None:
 def _dcp_load(sd: dict, where: Path) -> None:
     """DCP load whose failures (missing tensors, wrong shapes) become a one-line UserError."""
     try:
-        _dcp(dcp.load, sd, storage_reader=dcp.HuggingFaceStorageReader(str(where)))
+        dcp_call(dcp.load, sd, storage_reader=dcp.HuggingFaceStorageReader(str(where)))
     except (CheckpointException, RuntimeError, ValueError, KeyError) as e:
         detail = str(e).strip().splitlines()[-1][:200] if str(e).strip() else type(e).__name__
         raise UserError(

@@ -28,11 +28,6 @@ def checkpoints_of(path: str | Path) -> list[Path]:
     return found
 
 
-def _tensor_meta(where: Path) -> dict:
-    md = store._dcp(dcp.HuggingFaceStorageReader(str(where)).read_metadata)
-    return {k: v for k, v in md.state_dict_metadata.items() if hasattr(v, "size")}
-
-
 def info(ckpt: Path) -> dict:
     """Step, layout, model shape, tensor counts and sizes of one checkpoint, and whether it is complete."""
     out: dict = {"path": str(ckpt), "status": verify(ckpt, full=False) or "complete (sizes match the manifest)"}
@@ -63,7 +58,7 @@ def info(ckpt: Path) -> dict:
         entry = {"files": len(files), "bytes": sum(f.stat().st_size for f in files if f.is_file())}
         if part == "model" and files:
             try:
-                meta = _tensor_meta(ckpt / "model")
+                meta = store.tensor_metadata(ckpt / "model")
                 entry["tensors"] = len(meta)
                 entry["parameters"] = sum(int(torch.Size(v.size).numel()) for v in meta.values())
             except Exception as e:  # a damaged shard index: report, do not crash the report
@@ -105,9 +100,9 @@ def merge(ckpt: Path, output: Path, overwrite: bool = False, with_optimizer: boo
     sd: dict[str, torch.Tensor] = {}
     parts = [("model", "")] + ([("optim", "optim.")] if with_optimizer else [])
     for sub, prefix in parts:
-        meta = _tensor_meta(ckpt / sub)
+        meta = store.tensor_metadata(ckpt / sub)
         target = {k: torch.empty(tuple(v.size), dtype=v.properties.dtype) for k, v in meta.items()}
-        store._dcp(dcp.load, target, storage_reader=dcp.HuggingFaceStorageReader(str(ckpt / sub)))
+        store.dcp_call(dcp.load, target, storage_reader=dcp.HuggingFaceStorageReader(str(ckpt / sub)))
         sd.update({prefix + k: t.contiguous() for k, t in target.items()})
     output.parent.mkdir(parents=True, exist_ok=True)
     tmp = output.with_name(f".{output.name}.tmp-{os.getpid()}")
