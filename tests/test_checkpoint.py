@@ -21,6 +21,7 @@ def train(dataset, out, extra=None):
 def test_two_stage_parts_save_and_load_their_optimizer_states(tmp_path):
     """A rank holding several pipeline stages (interleaved / V schedules) keeps one optimizer per stage."""
     from meshformer.checkpoint import store
+    from meshformer.checkpoint.saver import save_checkpoint
     from meshformer.models import build_model, materialize
     from meshformer.parallel.pipeline import split_pipeline
     from meshformer.train.optim import Optimizers
@@ -62,7 +63,7 @@ def test_two_stage_parts_save_and_load_their_optimizer_states(tmp_path):
         for w in p.parameters():
             w.grad = torch.randn_like(w)
     opts.step()
-    store.save_checkpoint(tmp_path / "step_1", parts, opts.items, {"step": 1}, {}, True, lambda: None)
+    save_checkpoint(tmp_path / "step_1", parts, opts.items, {"step": 1}, {})
     fresh = stages()
     fresh_opts = Optimizers(fresh, cfg)
     store.load_model_weights(tmp_path / "step_1", fresh)

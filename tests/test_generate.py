@@ -292,7 +292,7 @@ def test_cli_end_to_end_with_a_saved_checkpoint(model, tmp_path, capsys):
     # were perturbed away from the seed's init, so a loader that ignored the file would give other tokens.
     import yaml
 
-    from meshformer.checkpoint.store import save_checkpoint
+    from meshformer.checkpoint.saver import save_checkpoint
     from meshformer.cli.main import main
     from meshformer.config import to_dict
 
@@ -308,8 +308,6 @@ def test_cli_end_to_end_with_a_saved_checkpoint(model, tmp_path, capsys):
         [torch.optim.AdamW(model.parameters())],
         {"step": 1},
         extra,
-        True,
-        lambda: None,
     )
     prompt = " ".join(f"w{t}" for t in PROMPT)
     assert (

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -22,6 +23,7 @@ from conftest import tiny_overrides
 
 STEPS = 80  # long enough that 20 kills, each after at least one new step, land before the end
 EVERY_STEP = "[{type: MFLossMonitor, per_print_times: 100}, {type: CheckpointMonitor, save_checkpoint_steps: 1, keep_checkpoint_max: 2}]"  # noqa: E501
+ASYNC_EVERY_STEP = EVERY_STEP.replace("keep_checkpoint_max: 2", "keep_checkpoint_max: 2, async_save: true")
 EMPTY = str(Path(__file__).parent / "empty.yaml")
 
 
@@ -69,15 +71,19 @@ def _metrics(out: Path) -> list[tuple]:
 
 
 def _run_with_kills(dataset: Path, out: Path, nproc: int, extra: dict, kills: int, seed: int) -> dict:
-    """Start, SIGKILL the whole job at a random moment after training began, resume; `kills` times, then finish."""
+    """Start, SIGKILL the whole job at a random moment after training began, resume; `kills` times, then finish.
+
+    Attempts alternate between in-line and background (async_save) checkpoint writes."""
     rng = random.Random(seed)
-    stats = {"kills": 0, "inside_save": 0, "attempts": 0}
+    stats = {"kills": 0, "inside_save": 0, "attempts": 0, "async_kills": 0}
     while True:
         stats["attempts"] += 1
         assert stats["attempts"] < kills + 10, "the run does not complete"
         before = len(_metrics(out))
+        in_background = stats["attempts"] % 2 == 0
+        callbacks = {"callbacks": ASYNC_EVERY_STEP} if in_background else {}
         proc = subprocess.Popen(
-            _cmd(dataset, out, nproc, extra),
+            _cmd(dataset, out, nproc, {**extra, **callbacks}),
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
             env=_env(),
@@ -95,6 +101,7 @@ def _run_with_kills(dataset: Path, out: Path, nproc: int, extra: dict, kills: in
             stats["inside_save"] += any((out / "checkpoint").glob("*.tmp"))
             os.killpg(proc.pid, signal.SIGKILL)
             stats["kills"] += 1
+            stats["async_kills"] += in_background
         proc.wait()
         if proc.returncode == 0 and stats["kills"] < kills and len(_metrics(out)) == STEPS:
             return stats  # finished before the kill landed
@@ -121,7 +128,7 @@ def test_sigkill_at_twenty_random_moments_then_resume_equals_uninterrupted(tiny_
     out = tmp_path / "run"
     stats = _run_with_kills(tiny_dataset, out, 1, {}, kills=20, seed=0)
     print(f"single process: {stats}")
-    assert stats["kills"] >= 15
+    assert stats["kills"] >= 15 and stats["async_kills"] >= 5
     assert _metrics(out) == references["single"]
 
 
@@ -129,7 +136,7 @@ def test_sigkill_dp2xtp2_then_resume_equals_uninterrupted(tiny_dataset, tmp_path
     out = tmp_path / "run"
     stats = _run_with_kills(tiny_dataset, out, 4, LAYOUT, kills=20, seed=1)
     print(f"dp2xtp2: {stats}")
-    assert stats["kills"] >= 15
+    assert stats["kills"] >= 15 and stats["async_kills"] >= 5
     assert _metrics(out) == references["dp2xtp2"]
 
 
@@ -223,3 +230,40 @@ def _worker_pids(marker: str) -> list[int]:
         if marker in text and "torch.distributed.run" not in text:
             pids.append(int(d.name))
     return sorted(pids)
+
+
+@pytest.mark.parametrize(
+    "fault, named",
+    [
+        ("die", r"rank 1 \(pid \d+ on .*\) died"),
+        ("stop", r"rank 1 \(pid \d+ on .*\) is stopped .*SIGSTOP"),
+        ("hang", r"rank 1 \(pid \d+ on .*\) is alive but hung"),
+    ],
+)
+def test_a_dead_stopped_or_hung_rank_is_named_in_meshformers_own_message(tiny_dataset, tmp_path, fault, named):
+    out = tmp_path / "run"
+    args = tiny_overrides(
+        tiny_dataset, out, {"parallel_config.data_parallel": 2, "comm_timeout": 8, "runner_config.stop_step": 1000}
+    )
+    hook = Path(__file__).parent / "dist" / "fault_rank.py"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    log = tmp_path / "torchrun.log"
+    proc = subprocess.Popen(
+        [*cmd, str(hook), fault, "train", EMPTY, *args],
+        stdout=log.open("w"),
+        stderr=subprocess.STDOUT,
+        env=_env(),
+        start_new_session=True,
+    )
+    t0 = time.time()
+    try:  # rank 0's line comes after comm_timeout at most (8 s); a frozen rank 1 then waits for torchrun's SIGKILL
+        while "meshformer: error:" not in log.read_text() and proc.poll() is None and time.time() - t0 < 120:
+            time.sleep(0.1)
+        took = time.time() - t0
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    line = next((ln for ln in log.read_text().splitlines() if ln.startswith("meshformer: error:")), "")
+    print(f"{fault}: {took:.1f} s: {line}")
+    assert re.search(named, line), log.read_text()[-3000:]
+    assert re.search(r"Rank 0 \(after step [1-9]\d*\) saw: RuntimeError", line) and "Traceback" not in line

@@ -10,13 +10,15 @@ import hashlib
 import json
 import math
 import shutil
+from concurrent.futures import Future
 from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from conftest import tiny_overrides
-from meshformer.checkpoint import manifest, store
+from meshformer.checkpoint import manifest, saver, store
 from meshformer.config import load_config
 from meshformer.errors import RunFailed, UserError
 from meshformer.train.trainer import Trainer, run_training
@@ -145,16 +147,59 @@ def test_a_full_disk_is_one_line_and_keeps_the_previous_checkpoint(tiny_dataset,
     assert checksums(store.checkpoint_root(out)) == before  # no step_4.tmp left, step_2 untouched
 
 
+ASYNC_EVERY_STEP = EVERY_STEP.replace("keep_checkpoint_max: 5", "keep_checkpoint_max: 5, async_save: true")
+
+
+def test_async_save_writes_the_same_checkpoints_as_in_line_saves(tiny_dataset, tmp_path, reference):
+    out = tmp_path / "run"
+    assert losses(run(tiny_dataset, out, **{"runner_config.stop_step": 6, "callbacks": ASYNC_EVERY_STEP})) == reference
+    in_line = tmp_path / "in_line"
+    run(tiny_dataset, in_line, **{"runner_config.stop_step": 6, "callbacks": EVERY_STEP})
+    for a, b in zip(store.list_checkpoints(out), store.list_checkpoints(in_line), strict=True):
+        assert manifest.verify(a, full=True) is None
+        shards = sorted(p.relative_to(a) for p in a.rglob("*.safetensors"))
+        assert shards == sorted(p.relative_to(b) for p in b.rglob("*.safetensors")) and len(shards) == 2
+        for shard in shards:  # the same tensors, bit for bit (the header's metadata order may differ)
+            ta, tb = load_file(a / shard), load_file(b / shard)
+            assert sorted(ta) == sorted(tb) and all(torch.equal(ta[k], tb[k]) for k in ta), shard
+    # and a run resumed from the async run's checkpoints continues like the uninterrupted one
+    shutil.rmtree(store.checkpoint_root(out) / "step_00000006")
+    (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in metrics(out)[:5]))
+    resumed = run(tiny_dataset, out, **{"runner_config.stop_step": 6, "resume_training": True})
+    assert losses(resumed) == reference
+
+
+def test_a_failed_background_write_is_one_line_and_keeps_the_previous_checkpoint(tiny_dataset, tmp_path, monkeypatch):
+    out = tmp_path / "run"
+    run(tiny_dataset, out, **{"runner_config.stop_step": 2})
+    before = checksums(store.checkpoint_root(out))
+    real_async_save = saver.dcp.async_save
+
+    def full_disk(sd, storage_writer, process_group):
+        if "optim" not in str(storage_writer.path):
+            return real_async_save(sd, storage_writer=storage_writer, process_group=process_group)
+        failed = Future()
+        failed.set_exception(OSError(errno.ENOSPC, "No space left on device"))
+        return failed
+
+    monkeypatch.setattr(saver.dcp, "async_save", full_disk)
+    extra = {"runner_config.stop_step": 5, "resume_training": True, "callbacks": ASYNC_EVERY_STEP}
+    with pytest.raises(UserError, match="saving checkpoint step_00000003 failed .*No space left on device") as e:
+        run(tiny_dataset, out, **extra)
+    assert "\n" not in str(e.value)
+    assert checksums(store.checkpoint_root(out)) == before  # no step_3.tmp left, step_2 untouched
+
+
 def test_resaving_a_step_keeps_the_good_copy_until_the_new_one_is_complete(tiny_dataset, tmp_path, monkeypatch):
     out = tmp_path / "run"
     run(tiny_dataset, out, **{"runner_config.stop_step": 2})
     ckpt = store.checkpoint_root(out) / "step_00000002"
     before = checksums(ckpt)
-    monkeypatch.setattr(store, "write_manifest", lambda d: (_ for _ in ()).throw(OSError(errno.EIO, "I/O error")))
+    monkeypatch.setattr(saver, "write_manifest", lambda d: (_ for _ in ()).throw(OSError(errno.EIO, "I/O error")))
     trainer = Trainer(load_config(None, tiny_overrides(tiny_dataset, out, {"resume_training": True})))
     try:
         with pytest.raises(UserError, match="I/O error"):
-            trainer.save(2, keep=5)
+            trainer.save(2)
     finally:
         trainer.run_dir.unlock()
     assert checksums(ckpt) == before and not ckpt.with_name(ckpt.name + ".tmp").exists()
@@ -193,7 +238,7 @@ def test_a_run_that_dies_before_saving_leaves_the_replaced_run_intact(tiny_datas
     out = tmp_path / "run"
     run(tiny_dataset, out, **{"runner_config.stop_step": 2})
     before = checksums(out)
-    monkeypatch.setattr(Trainer, "save", lambda self, step, keep: (_ for _ in ()).throw(KeyboardInterrupt()))
+    monkeypatch.setattr(Trainer, "save", lambda self, step: (_ for _ in ()).throw(KeyboardInterrupt()))
     with pytest.raises(KeyboardInterrupt):
         run(tiny_dataset, out, **{"runner_config.stop_step": 2, "overwrite_output_dir": True})
     monkeypatch.undo()

@@ -9,10 +9,11 @@ Layout of `{output_dir}/checkpoint/step_{N:08d}/`:
     manifest.json            every file above with its size and SHA-256, written last (checkpoint/manifest.py)
 
 Every rank writes its own shards and DCP records where each shard sits, so any layout can load it.
-A save goes to `step_N.tmp`, gets its manifest, and only then replaces `step_N` (an older copy of the same step
-is moved aside first and deleted after): a crash never leaves a half checkpoint that resume would pick, and a
-failed save (a full disk) leaves every earlier checkpoint as it was. Loading verifies the manifest and is
-strict: every tensor of the model present with its shape, and nothing else.
+Saving (in line or in the background) is `saver.py`: a save goes to `step_N.tmp`, gets its manifest, and only
+then replaces `step_N`, so a crash never leaves a half checkpoint that resume would pick, and a failed save
+(a full disk) leaves every earlier checkpoint as it was. This module finds, verifies, loads and prunes
+checkpoints; loading verifies the manifest and is strict: every tensor of the model present with its shape,
+and nothing else.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from meshformer.checkpoint.manifest import MANIFEST, verify, write_manifest
+from meshformer.checkpoint.manifest import MANIFEST, verify
 from meshformer.errors import UserError
 
 STEP_DIR = re.compile(r"^step_(\d+)$")
@@ -114,7 +115,7 @@ def clean_leftovers(output_dir: str | Path) -> list[Path]:
     return gone
 
 
-def _model_sd(parts) -> dict:
+def model_state_dict(parts) -> dict:
     sd = {}
     for m in parts:
         sd.update(get_model_state_dict(m))
@@ -124,7 +125,7 @@ def _model_sd(parts) -> dict:
 FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
-def _optim_sd(parts, optimizers) -> dict:
+def optimizer_state_dict(parts, optimizers) -> dict:
     """Flattened optimizer tensors keyed by parameter name (param_groups come from the config, not the file).
 
     `optimizers` holds one optimizer per part (train.optim.Optimizers.items)."""
@@ -134,53 +135,7 @@ def _optim_sd(parts, optimizers) -> dict:
     return sd
 
 
-def save_checkpoint(
-    path: Path,
-    parts,
-    optimizers,
-    trainer_state: dict,
-    extra_files: dict[str, bytes],
-    is_writer_rank: bool,
-    barrier,
-    agree=lambda ok: ok,
-) -> Path:
-    """Collective: every rank calls it. Returns the final directory.
-
-    `agree(ok)` is True only when every rank's ok is (an all-reduce): a failure on any rank (a full disk) makes
-    every rank raise the same one-line UserError instead of leaving the others waiting in a barrier.
-    """
-    tmp = path.with_name(path.name + ".tmp")
-    error = None
-    try:
-        if is_writer_rank:
-            if tmp.exists():
-                shutil.rmtree(tmp)
-            tmp.mkdir(parents=True)
-        barrier()
-        for sd, sub in ((_model_sd(parts), "model"), (_optim_sd(parts, optimizers), "optim")):
-            dcp_call(dcp.save, sd, storage_writer=dcp.HuggingFaceStorageWriter(str(tmp / sub), save_distributed=True))
-        barrier()
-        if is_writer_rank:
-            for name, data in extra_files.items():
-                (tmp / name).write_bytes(data)
-            (tmp / "trainer_state.json").write_text(json.dumps(trainer_state, indent=1))
-            write_manifest(tmp)
-    except (OSError, CheckpointException) as e:
-        error = _reason(e)
-    if not agree(error is None):
-        if is_writer_rank:
-            shutil.rmtree(tmp, ignore_errors=True)
-        raise UserError(
-            f"saving checkpoint {path.name} failed ({error or 'on another rank'}); earlier checkpoints in "
-            f"{path.parent} are untouched: free space (or fix the output_dir), then resume_training: true"
-        )
-    if is_writer_rank:
-        _replace_dir(tmp, path)
-    barrier()
-    return path
-
-
-def _reason(e: BaseException) -> str:
+def reason(e: BaseException) -> str:
     """The root cause of a failed write in a few words (DCP wraps every rank's exception)."""
     seen = e
     for _ in range(8):
@@ -196,19 +151,6 @@ def _reason(e: BaseException) -> str:
     return text[:200]
 
 
-def _replace_dir(new: Path, target: Path) -> None:
-    """Put `new` at `target`. An existing target is moved aside first and deleted only once `new` is in place,
-    so at every moment one complete copy exists under a name `clean_leftovers` or resume understands."""
-    if target.exists():
-        old = target.with_name(target.name + ".old")
-        shutil.rmtree(old, ignore_errors=True)
-        target.rename(old)
-        new.rename(target)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        new.rename(target)
-
-
 def tensor_metadata(where: Path) -> dict:
     """{tensor name: DCP tensor metadata (size, dtype)} of one saved state dict, no tensor data read."""
     md = dcp_call(dcp.HuggingFaceStorageReader(str(where)).read_metadata)
@@ -220,7 +162,7 @@ def checkpoint_shapes(path: Path) -> dict[str, tuple[int, ...]]:
     try:
         meta = tensor_metadata(path / "model")
     except (OSError, ValueError, KeyError, RuntimeError) as e:
-        raise UserError(f"checkpoint {str(path)!r}: its model metadata is unreadable ({_reason(e)})") from None
+        raise UserError(f"checkpoint {str(path)!r}: its model metadata is unreadable ({reason(e)})") from None
     return {k: tuple(v.size) for k, v in meta.items()}
 
 
@@ -248,7 +190,7 @@ def check_model_fits(path: Path, expected: dict[str, tuple[int, ...]], complete:
 def load_model_weights(path: Path, parts, expected: dict[str, tuple[int, ...]] | None = None) -> None:
     """Load weights into this rank's parts. `expected`: {name: shape} of the whole model, checked strictly
     against the checkpoint first (default: the parts' own tensors, which must all be present)."""
-    sd = _model_sd(parts)
+    sd = model_state_dict(parts)
     if expected is None:
         check_model_fits(path, {k: tuple(v.shape) for k, v in sd.items()}, complete=False)  # DTensor: global
     else:

@@ -324,7 +324,9 @@ class CallbackConfig:
     integrated_save: bool = setting(
         False, "MindSpore merged save (accepted; checkpoints are sharded and loadable by any layout)."
     )
-    async_save: bool = setting(False, "MindSpore async save (accepted, saves are synchronous).")
+    async_save: bool = setting(
+        False, "CheckpointMonitor: write checkpoints in the background (DCP async save) while training goes on."
+    )
     checkpoint_format: str = setting("safetensors", "Checkpoint format (always safetensors).")
 
 

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from meshformer.config.schema import MeshformerConfig
 from meshformer.errors import UserError
 from meshformer.parallel.dims import MESH_DIMS, ParallelDims
+from meshformer.parallel.peers import Peers
 
 
 @dataclass
@@ -28,6 +29,7 @@ class ParallelEnv:
     backend: str = ""
     mesh: object | None = None  # torch.distributed DeviceMesh over MESH_DIMS
     dp_mesh: object | None = None  # the flattened (dp_replicate x dp_shard) mesh, kept here rather than re-sliced
+    peers: Peers | None = None  # heartbeats in the launcher's store, to name a dead or hung rank
     coords: dict = field(init=False)
 
     def __post_init__(self) -> None:
@@ -97,15 +99,36 @@ class ParallelEnv:
         dist.broadcast_object_list(box, src=0)
         return box[0]
 
+    def side_groups(self, n: int) -> list:
+        """`n` new gloo groups of every rank for the collectives of background threads (async checkpoint writes):
+        one group's collectives must all come from one thread. Collective: every rank calls it at the same point.
+        One process first gets a process group of its own (world size 1), so DCP takes its usual path."""
+        if not dist.is_initialized():
+            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        return [dist.new_group(backend="gloo") for _ in range(n)]
+
     def barrier(self) -> None:
         if dist.is_available() and dist.is_initialized():
             dist.barrier()
 
-    def shutdown(self) -> None:
+    def at_step(self, step: int) -> None:
+        """Record the step this rank has completed (reported if a peer fails)."""
+        if self.peers is not None:
+            self.peers.step = step
+
+    def explain_failure(self, error: BaseException) -> str | None:
+        """One line naming the dead or hung rank(s) behind `error`, or None (one process, or no culprit)."""
+        return self.peers.explain(error) if self.peers is not None else None
+
+    def shutdown(self, clean: bool = True) -> None:
         # A barrier right before destroy_process_group: without it a rank sometimes aborts at exit on gloo
         # ("terminate called without an active exception"), see shared/reference/environment-notes.md.
+        # After a failure there is no barrier: a dead or hung peer would hold it until comm_timeout.
+        if self.peers is not None:
+            self.peers.close()
         if dist.is_available() and dist.is_initialized():
-            dist.barrier()
+            if clean:
+                dist.barrier()
             dist.destroy_process_group()
 
     def describe(self) -> str:
@@ -184,6 +207,7 @@ def init_parallel(cfg: MeshformerConfig, world_size: int | None = None) -> Paral
         backend=dist.get_backend(),
         mesh=mesh,
         dp_mesh=mesh["dp_replicate", "dp_shard"]._flatten("dp"),
+        peers=Peers.connect(dist.get_rank(), world),
     )
     placed = dict(zip(MESH_DIMS, mesh.get_coordinate()))
     if placed != {n: env.coords[n] for n in MESH_DIMS}:  # dims.coords must describe torch's layout exactly

@@ -13,6 +13,7 @@ launcher with SIGKILL otherwise leaves workers waiting in a collective until com
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import signal
@@ -65,6 +66,21 @@ class StopRequests:
     def agreed(self, env) -> bool:
         """Collective: True on every rank when any rank was asked to stop."""
         return not env.all_ok(self.received is None)
+
+
+@contextlib.contextmanager
+def stop_signals_held():
+    """Ignore stop signals for a moment (naming a failed rank after a collective broke): the launcher's SIGTERM
+    to the survivors would otherwise end them before they say which rank failed. Its SIGKILL still ends them."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def die_with_parent() -> bool:

@@ -16,6 +16,7 @@ import torch
 import yaml
 
 from meshformer.checkpoint import store
+from meshformer.checkpoint.saver import CheckpointSaver
 from meshformer.config.load import to_dict
 from meshformer.config.schema import MeshformerConfig
 from meshformer.data.dataset import GlobalBatches, PackedDataset, SampleOrder
@@ -23,12 +24,12 @@ from meshformer.data.tokenizer import tokenizer_hash
 from meshformer.dtypes import DTYPE
 from meshformer.errors import RunFailed, UserError
 from meshformer.models import num_params
-from meshformer.parallel import ModelParts, init_parallel
+from meshformer.parallel import ModelParts, ParallelEnv, init_parallel
 from meshformer.parallel.dims import ParallelDims
 from meshformer.planner.fits import check_fits
 from meshformer.train import metrics as M
 from meshformer.train.optim import Optimizers, Schedule
-from meshformer.train.preemption import StopRequests
+from meshformer.train.preemption import StopRequests, stop_signals_held
 from meshformer.train.progress import Progress
 from meshformer.train.run_dir import RunDir, on_rank0
 from meshformer.train.spikes import MAX_ROLLBACKS, SpikeDetector
@@ -58,11 +59,11 @@ class BatchPlan:
 
 
 class Trainer:
-    def __init__(self, cfg: MeshformerConfig, notices: list[str] | None = None):
+    def __init__(self, cfg: MeshformerConfig, notices: list[str] | None = None, env: ParallelEnv | None = None):
         self.cfg = cfg
         self.mc = cfg.model.model_config
         self.out = Path(cfg.output_dir)
-        self.env = init_parallel(cfg)
+        self.env = env or init_parallel(cfg)
         self.console = Progress(cfg.monitor_config.progress_bar, enabled=self.env.is_metrics_rank)
         for n in notices or []:
             self.console.log(f"note: {n}")
@@ -79,6 +80,7 @@ class Trainer:
             self.resume_from = self.run_dir.find_resume(cfg.resume_training, cfg.load_checkpoint, replace)
             self._replaces_old_run = self.run_dir.check_existing(self.resume_from, replace)
             self._build_model()
+            self.saver = self._make_saver()
         except BaseException:
             self.run_dir.unlock()
             raise
@@ -214,7 +216,6 @@ class Trainer:
         first, last = None, {}
         skips_in_a_row = 0
         self.parts.train()
-        keep = ckpt_cb.keep_checkpoint_max if ckpt_cb else 5
         end = self.total_steps
         with StopRequests(cfg.runner_config.preemption_grace_seconds, self.console.log) as stop:
             self.console.start(self.total_steps, self.start_step)
@@ -283,6 +284,7 @@ class Trainer:
                 log.write(rec)
                 if skips_in_a_row >= cfg.runner_wrapper.max_consecutive_skips:
                     self.console.stop()
+                    self.saver.wait()  # a save still being written is a good one: let it complete
                     good = [c for c in store.list_checkpoints(self.out) if store.saved_finite(c)]
                     raise RunFailed(
                         f"{skips_in_a_row} steps in a row (to step {done}) had a non-finite loss or gradient norm: "
@@ -292,8 +294,10 @@ class Trainer:
                     )
                 first, last = first or rec, rec
                 self.console.step(done, rec, print_now=(done % print_every == 0 or done == self.total_steps))
+                env.at_step(done)
+                self.saver.poll()  # completes a background save once every rank has written it
                 if ckpt_cb is not None and done % ckpt_cb.save_checkpoint_steps == 0 and done < self.total_steps:
-                    self.save(done, keep)
+                    self.save(done)
                 if stop.agreed(env):  # a rank was signalled (preemption): everyone saves and returns
                     end = done
                     self.console.log(f"{stop.received}: stopping after step {done}; resume with resume_training")
@@ -306,7 +310,8 @@ class Trainer:
                     f"(step {last['step']}); metrics in {self.out / 'metrics.jsonl'}"
                 )
             if self._saved_at != end and (end > self.start_step or not store.list_checkpoints(self.out)):
-                self.save(end, keep)
+                self.save(end)
+            self.saver.wait()
         return last
 
     def _roll_back(self, spike_step: int, loss: float, spikes: SpikeDetector, log) -> int:
@@ -320,6 +325,7 @@ class Trainer:
                 f"step {spike_step}: loss {loss:.4g} is another spike ({ratio:.1f}x the recent mean) after "
                 f"{MAX_ROLLBACKS} rollbacks: the run stopped; lower learning_rate or raise loss_spike_factor"
             )
+        self.saver.wait()  # the newest checkpoint may still be being written
         ckpt = on_rank0(self.env, lambda: str(store.newest_good(self.out)[0] or ""))
         if not ckpt:
             raise RunFailed(
@@ -375,7 +381,21 @@ class Trainer:
         return state_bytes + self._act_bytes
 
     # ---- checkpoints --------------------------------------------------------------------------------------
-    def save(self, step: int, keep: int) -> None:
+    def _make_saver(self) -> CheckpointSaver:
+        ckpt_cb = next((c for c in self.cfg.callbacks if c.type == "CheckpointMonitor"), None)
+        keep = ckpt_cb.keep_checkpoint_max if ckpt_cb else 5
+        async_save = bool(ckpt_cb and ckpt_cb.async_save)
+        return CheckpointSaver(
+            self.env.rank,
+            self.env.all_ok,
+            self.env.barrier,
+            async_save,
+            self.env.side_groups(2) if async_save else (None, None),
+            on_saved=lambda path: self._saved(path, keep),
+        )
+
+    def save(self, step: int) -> None:
+        """Save at `step` (complete on return, or pending in the background with async_save)."""
         env = self.env
         self._saved_at = step
         path = store.checkpoint_root(self.out) / f"step_{step:08d}"
@@ -395,20 +415,36 @@ class Trainer:
             "config.yaml": yaml.safe_dump(to_dict(self.cfg), sort_keys=False).encode(),
             "tokenizer.json": self.tokenizer_bytes,
         }
-        store.save_checkpoint(
-            path, self.parts.parts, self.optimizer.items, state, files, env.rank == 0, env.barrier, env.all_ok
-        )
+        self.saver.save(path, self.parts.parts, self.optimizer.items, state, files)
+
+    def _saved(self, path: Path, keep: int) -> None:
+        """A checkpoint is complete: say so, drop the replaced run, prune older checkpoints."""
         self.console.log(f"saved checkpoint {path}")
         self.run_dir.saved()
-        if env.rank == 0:
+        if self.env.rank == 0:
             for gone in store.prune_checkpoints(self.out, keep):
                 self.console.log(f"removed old checkpoint {gone.name} (keep_checkpoint_max={keep})")
 
 
 def run_training(cfg: MeshformerConfig, notices: list[str] | None = None) -> dict:
-    trainer = Trainer(cfg, notices)
+    """Train; a collective that fails because a rank died or hung ends the run naming that rank (RunFailed)."""
+    env = init_parallel(cfg)
+    trainer, ok = None, False
     try:
-        return trainer.train()
+        trainer = Trainer(cfg, notices, env)
+        last = trainer.train()
+        ok = True
+        return last
+    except (UserError, RunFailed):  # decided on every rank alike: nothing to diagnose
+        raise
+    except Exception as e:
+        with stop_signals_held():
+            why = env.explain_failure(e)
+        if why is None:
+            raise
+        raise RunFailed(why) from None
     finally:
-        trainer.run_dir.unlock()
-        trainer.env.shutdown()
+        if trainer is not None:
+            trainer.saver.close()
+            trainer.run_dir.unlock()
+        env.shutdown(clean=ok)
