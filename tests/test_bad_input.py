@@ -7,7 +7,6 @@ exit code 2; any other exception would fail the test with its traceback.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import time
@@ -16,19 +15,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import tiny_overrides
+from conftest import checksums, tiny_overrides
 from meshformer.checkpoint import manifest, store
 from meshformer.cli.main import main
 
 EMPTY = str(Path(__file__).parent / "empty.yaml")
-
-
-def checksums(root: Path) -> dict[str, str]:
-    return {
-        p.relative_to(root).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
-        for p in sorted(root.rglob("*"))
-        if p.is_file() and p.name != ".lock"
-    }
 
 
 def fails(capsys, argv: list[str], *needles: str) -> str:

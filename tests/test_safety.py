@@ -6,7 +6,6 @@ Every test that damages or refuses something compares checksums of every file th
 from __future__ import annotations
 
 import errno
-import hashlib
 import json
 import math
 import shutil
@@ -17,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import tiny_overrides
+from conftest import checksums, tiny_overrides
 from meshformer.checkpoint import manifest, saver, store
 from meshformer.config import load_config
 from meshformer.errors import RunFailed, UserError
@@ -37,15 +36,6 @@ def metrics(out: Path) -> list[dict]:
         raise ValueError(f"bare {name} in metrics.jsonl")
 
     return [json.loads(ln, parse_constant=no_nan) for ln in (out / "metrics.jsonl").read_text().splitlines()]
-
-
-def checksums(root: Path) -> dict[str, str]:
-    """Every file below root (but the lock, which only says who runs) -> its SHA-256."""
-    return {
-        p.relative_to(root).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
-        for p in sorted(root.rglob("*"))
-        if p.is_file() and p.name != ".lock"
-    }
 
 
 def losses(recs):

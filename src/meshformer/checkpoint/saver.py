@@ -87,7 +87,9 @@ class CheckpointSaver:
                 job.error = reason(e)
         if not self.agree(job.error is None):  # also the barrier: nobody writes before the directory exists
             self._fail(job)
-        states = (model_state_dict(parts), "model"), (optimizer_state_dict(parts, optimizers), "optim")
+        states = [(model_state_dict(parts), "model")]
+        if optimizers:  # an imported model has weights only
+            states.append((optimizer_state_dict(parts, optimizers), "optim"))
         for (sd, sub), group in zip(states, self.groups):
             writer = dcp.HuggingFaceStorageWriter(str(job.tmp / sub), save_distributed=True)
             try:

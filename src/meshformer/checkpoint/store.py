@@ -166,12 +166,11 @@ def checkpoint_shapes(path: Path) -> dict[str, tuple[int, ...]]:
     return {k: tuple(v.size) for k, v in meta.items()}
 
 
-def check_model_fits(path: Path, expected: dict[str, tuple[int, ...]], complete: bool = True) -> None:
-    """Strict load: every expected tensor present with its shape; with `complete`, no tensor the model lacks."""
-    have = checkpoint_shapes(path)
+def shape_problems(have: dict, expected: dict, complete: bool = True) -> list[str]:
+    """What keeps tensors `have` ({name: shape}) from being the model `expected`, in a few words each."""
     missing = sorted(set(expected) - set(have))
     extra = sorted(set(have) - set(expected)) if complete else []
-    wrong = sorted(k for k in set(expected) & set(have) if tuple(expected[k]) != have[k])
+    wrong = sorted(k for k in set(expected) & set(have) if tuple(expected[k]) != tuple(have[k]))
     problems = []
     if missing:
         problems.append(f"{len(missing)} tensor(s) missing, e.g. {missing[0]}")
@@ -180,6 +179,12 @@ def check_model_fits(path: Path, expected: dict[str, tuple[int, ...]], complete:
     if wrong:
         k = wrong[0]
         problems.append(f"{len(wrong)} shape(s) differ, e.g. {k} is {list(have[k])} there, {list(expected[k])} here")
+    return problems
+
+
+def check_model_fits(path: Path, expected: dict[str, tuple[int, ...]], complete: bool = True) -> None:
+    """Strict load: every expected tensor present with its shape; with `complete`, no tensor the model lacks."""
+    problems = shape_problems(checkpoint_shapes(path), expected, complete)
     if problems:
         raise UserError(
             f"checkpoint {str(path)!r} does not fit this model ({'; '.join(problems)}): use the model "
@@ -198,6 +203,15 @@ def load_model_weights(path: Path, parts, expected: dict[str, tuple[int, ...]] |
     _dcp_load(sd, path / "model")
     for m in parts:
         set_model_state_dict(m, sd, options=StateDictOptions(strict=False))
+
+
+def load_full_weights(parts, tensors: dict[str, torch.Tensor]) -> None:
+    """Load full (unsharded) tensors, the same on every rank, into this rank's parts: DTensor parameters take
+    their own shard, pipeline stages their own layers (names they lack are not theirs)."""
+    for m in parts:
+        names = set(m.state_dict())
+        mine = {k: v for k, v in tensors.items() if k in names}
+        set_model_state_dict(m, mine, options=StateDictOptions(full_state_dict=True, strict=False))
 
 
 def load_optimizer(path: Path, parts, optimizers) -> None:

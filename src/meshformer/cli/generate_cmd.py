@@ -26,7 +26,17 @@ def add_parser(subparsers) -> None:
         metavar="DIR",
         help="a run's output_dir (its newest checkpoint is used) or one checkpoint directory",
     )
-    p.add_argument("--prompt", required=True, help="text to continue")
+    p.add_argument("--prompt", required=True, help="text to continue (with --chat: the user's message)")
+    p.add_argument(
+        "--chat", action="store_true", help="apply the model's chat template to --prompt and print only the reply"
+    )
+    p.add_argument("--system", default=None, help="with --chat: a system message before the user's")
+    p.add_argument(
+        "--template",
+        default=None,
+        metavar="NAME|FILE",
+        help="with --chat: chatml, llama3, llama2 or a .jinja file (default: the checkpoint's own template)",
+    )
     p.add_argument(
         "--max-new-tokens", type=int, default=64, metavar="N", help="tokens to generate at most (default 64)"
     )
@@ -81,8 +91,28 @@ def special_ids(tokenizer, mc) -> tuple[int | None, int | None]:
     return bos, eos
 
 
-def encode_prompt(tokenizer, prompt: str, mc, bos: int | None) -> list[int]:
-    ids = list(tokenizer.encode(prompt).ids)
+def chat_prompt(args, tokenizer) -> tuple[str, set[int]]:
+    """(the rendered conversation up to the assistant's turn, the token ids that end a reply)."""
+    import json
+
+    from meshformer.checkpoint.store import resolve_checkpoint
+    from meshformer.data.chat import load_chat_template, render_chat, template_tokens
+
+    ckpt = resolve_checkpoint(args.checkpoint)
+    tok_cfg_file = ckpt / "tokenizer_config.json"
+    tok_cfg = json.loads(tok_cfg_file.read_text(encoding="utf-8")) if tok_cfg_file.is_file() else {}
+    template = load_chat_template(ckpt, args.template)
+    messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
+        {"role": "user", "content": args.prompt}
+    ]
+    specials = template_tokens(tok_cfg)
+    text = render_chat(template, messages, add_generation_prompt=True, **specials)
+    ends = (specials["eos_token"], "<|im_end|>", "<|eot_id|>", "<|end|>", "</s>")
+    return text, {i for t in ends if t and (i := tokenizer.token_to_id(t)) is not None}
+
+
+def encode_prompt(tokenizer, prompt: str, mc, bos: int | None, add_special_tokens: bool = True) -> list[int]:
+    ids = list(tokenizer.encode(prompt, add_special_tokens=add_special_tokens).ids)
     if not ids and bos is not None:  # an empty prompt starts from BOS
         ids = [bos]
     if not ids:
@@ -107,7 +137,13 @@ def run(args: argparse.Namespace) -> int:
     model, cfg, tokenizer = checkpoint.load_for_inference(args.checkpoint, device=device)
     mc = cfg.model.model_config
     bos, eos = special_ids(tokenizer, mc)
-    ids = encode_prompt(tokenizer, args.prompt, mc, bos)
+    stop: set[int] = {eos} if eos is not None else set()
+    if args.chat:
+        prompt, chat_stop = chat_prompt(args, tokenizer)
+        ids = encode_prompt(tokenizer, prompt, mc, bos, add_special_tokens=False)
+        stop |= chat_stop
+    else:
+        ids = encode_prompt(tokenizer, args.prompt, mc, bos)
     gen = None
     if not args.greedy:
         gen = torch.Generator(device=next(model.parameters()).device)
@@ -124,10 +160,14 @@ def run(args: argparse.Namespace) -> int:
         top_p=args.top_p,
         top_k=args.top_k,
         greedy=args.greedy,
-        eos_id=eos,
+        eos_id=stop,
         generator=gen,
     )
     dt = time.perf_counter() - t0
+    if args.chat:  # only the reply, without the token that ended it
+        print(tokenizer.decode(new[:-1] if new and new[-1] in stop else new, skip_special_tokens=True).strip())
+        print(f"generated {len(new)} tokens in {dt:.2f}s", file=sys.stderr)
+        return 0
     # Decode prompt and completion together (tokenizers merge spaces across the boundary), then keep the
     # user's prompt text verbatim when the tokenizer round-trips it.
     full = tokenizer.decode(ids + new)

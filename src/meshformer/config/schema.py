@@ -66,6 +66,12 @@ class ModelConfig:
     rms_norm_eps: float = setting(1e-5, "Epsilon of every RMSNorm.", gt=0)
     theta: float = setting(10000.0, "Rotary embedding base frequency.", gt=0, aliases=("rotary_emb_base",))
     rope_scaling: RopeScalingConfig = setting(RopeScalingConfig, "Optional rotary frequency scaling (llama3 style).")
+    max_position_embedding: int | None = setting(
+        None,
+        "Longest context the model is made for (Hugging Face max_position_embeddings; default seq_length).",
+        gt=0,
+        aliases=("max_position_embeddings",),
+    )
     tie_word_embeddings: bool = setting(False, "Share the input embedding matrix with the output projection.")
     qkv_has_bias: bool = setting(False, "Add a bias to the q/k/v projections (Qwen2).")
     use_qk_norm: bool = setting(False, "RMSNorm on each query and key head before rotary (Qwen3).")
@@ -438,7 +444,7 @@ IGNORED_KEYS = {
     ("model", "model_config"): frozenset(
         """
         batch_size block_size checkpoint_name_or_path do_sample emb_dropout_prob extend_method
-        fine_grain_interleave input_sliced_sig is_dynamic max_decode_length max_position_embedding num_blocks
+        fine_grain_interleave input_sliced_sig is_dynamic max_decode_length num_blocks
         qkv_concat repetition_penalty rotary_pct router_dense_type scaling_factor top_k top_p
         use_flash_attention use_past use_past_shard
         """.split()

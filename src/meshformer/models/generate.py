@@ -6,6 +6,8 @@ only the newest token. Sampling follows the usual order: temperature, then top-k
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 
 
@@ -63,12 +65,13 @@ def generate(
     top_p: float = 1.0,
     top_k: int = 0,
     greedy: bool = False,
-    eos_id: int | None = None,
+    eos_id: int | Iterable[int] | None = None,
     generator: torch.Generator | None = None,
 ) -> list[int]:
     """Continue `prompt_ids` by up to `max_new_tokens` tokens; returns the new tokens only.
 
-    Stops early after emitting `eos_id` (which is included in the result). temperature 0 means greedy.
+    Stops early after emitting `eos_id` (or any of several, e.g. EOS and a chat turn's end; it is included in the
+    result). temperature 0 means greedy.
     Pass a seeded `generator` for reproducible sampling.
     """
     ids = (
@@ -86,6 +89,7 @@ def generate(
         raise ValueError(f"generate: top_k={top_k} must be >= 0 (0: off)")
     if max_new_tokens <= 0:
         return []
+    stop = {eos_id} if isinstance(eos_id, int) else set(eos_id or ())
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()
@@ -98,7 +102,7 @@ def generate(
                 logits, temperature=temperature, top_p=top_p, top_k=top_k, greedy=greedy, generator=generator
             )
             out.append(tok)
-            if tok == eos_id or len(out) == max_new_tokens:
+            if tok in stop or len(out) == max_new_tokens:
                 return out
             logits = model(torch.tensor([[tok]], device=device), cache)[0, -1]
     finally:

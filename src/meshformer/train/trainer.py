@@ -16,6 +16,8 @@ import torch
 import yaml
 
 from meshformer.checkpoint import store
+from meshformer.checkpoint.convert import hf_weights_for
+from meshformer.checkpoint.hf_dir import is_hf_dir
 from meshformer.checkpoint.saver import CheckpointSaver
 from meshformer.config.load import to_dict
 from meshformer.config.schema import MeshformerConfig
@@ -157,6 +159,12 @@ class Trainer:
         self.last_finite = True
         if self.resume_from is not None:
             self._restore(self.resume_from)
+        elif cfg.load_checkpoint and is_hf_dir(Path(cfg.load_checkpoint)):  # a Hugging Face model directory
+            src = Path(cfg.load_checkpoint)
+            self._check_ckpt_tokenizer(src)
+            tensors = hf_weights_for(src, self.expected_shapes, "load_checkpoint")
+            store.load_full_weights(self.parts.parts, tensors)
+            self.console.log(f"loaded weights from the Hugging Face model {src}")
         elif cfg.load_checkpoint:
             ckpt = self.run_dir.resolve(cfg.load_checkpoint)
             self._check_ckpt_tokenizer(ckpt)

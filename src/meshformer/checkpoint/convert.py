@@ -1,0 +1,173 @@
+"""`meshformer import` and `meshformer export`: Hugging Face directories and GGUF files <-> meshformer checkpoints.
+
+An import writes one checkpoint directory (weights only, step 0) with a config.yaml whose `model_config` comes
+from the source's config.json (or GGUF metadata), the source's tokenizer.json and tokenizer_config.json (special
+tokens, chat template) and a manifest, so `load_checkpoint`, `generate`, `preprocess --tokenizer` and
+`meshformer export` take it like any checkpoint. Every tensor is checked against the model the config describes
+(names and shapes, both ways) before anything is written. Both commands write into `OUTPUT.tmp-*` and rename it
+to OUTPUT at the end: an existing OUTPUT is never touched, a failure leaves nothing that looks complete.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+import yaml
+
+from meshformer.checkpoint.hf_config import hf_config_from_model, model_config_from_hf
+from meshformer.checkpoint.hf_dir import read_hf_dir, to_hf_names, to_meshformer_names, write_hf_dir
+from meshformer.checkpoint.saver import save_checkpoint
+from meshformer.checkpoint.source import SourceModel
+from meshformer.checkpoint.store import resolve_checkpoint, shape_problems
+from meshformer.config.load import from_dict, to_dict
+from meshformer.config.schema import MeshformerConfig, ModelConfig
+from meshformer.dtypes import DTYPE
+from meshformer.errors import UserError
+
+
+def read_source(src: str | Path) -> SourceModel:
+    p = Path(src)
+    if p.is_file() and p.suffix == ".gguf":
+        from meshformer.checkpoint.gguf_read import read_gguf
+
+        return read_gguf(p)
+    if p.is_dir():
+        return read_hf_dir(p)
+    raise UserError(f"{src}: not a Hugging Face model directory (with config.json) or a .gguf file")
+
+
+def _fresh_output(output: str | Path) -> tuple[Path, Path]:
+    out = Path(output)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise UserError(f"--output {out} already exists and is not empty: choose a new directory")
+    tmp = out.with_name(out.name + ".tmp-convert")
+    shutil.rmtree(tmp, ignore_errors=True)  # a killed earlier conversion's leftover (a name only we create)
+    return out, tmp
+
+
+def _finish(tmp: Path, out: Path) -> Path:
+    if out.exists():
+        out.rmdir()  # empty (checked in _fresh_output)
+    tmp.rename(out)
+    return out
+
+
+def source_to_model(source: SourceModel) -> tuple[MeshformerConfig, dict[str, torch.Tensor]]:
+    """(a config whose model_config is the source's, the source's tensors under meshformer's names and dtype),
+    refusing a source whose tensors are not exactly that model's."""
+    where = f"{source.origin} (config)"
+    notices: list[str] = []
+    cfg = MeshformerConfig()
+    fields = model_config_from_hf(source.config, where)
+    cfg.model.model_config = from_dict(ModelConfig, fields, ("model", "model_config"), notices)
+    mc = cfg.model.model_config
+    from meshformer.models import build_model
+
+    expected = {k: tuple(v.shape) for k, v in build_model(mc).state_dict().items()}  # meta tensors: no memory
+    tensors = to_meshformer_names(source.tensors, mc.tie_word_embeddings)
+    problems = shape_problems({k: tuple(v.shape) for k, v in tensors.items()}, expected)
+    if problems:
+        raise UserError(
+            f"{source.origin}: the weights do not match its config ({'; '.join(problems)}): the model directory "
+            f"is damaged or its config.json belongs to another model"
+        )
+    dtype = DTYPE[mc.param_init_type]
+    return cfg, {k: t.to(dtype) for k, t in tensors.items()}
+
+
+def hf_weights_for(src: Path, expected: dict[str, tuple[int, ...]], field: str) -> dict[str, torch.Tensor]:
+    """A Hugging Face directory's weights for the model `expected` describes ({name: shape}), or a one-line error
+    saying how the two differ (`load_checkpoint:` straight from a Hugging Face directory)."""
+    _, tensors = source_to_model(read_hf_dir(src))
+    problems = shape_problems({k: tuple(v.shape) for k, v in tensors.items()}, expected)
+    if problems:
+        raise UserError(
+            f"{field}={str(src)!r} is another model than model.model_config describes ({'; '.join(problems)}): "
+            f"copy its settings (`meshformer import {src} --output DIR` writes them to DIR/config.yaml)"
+        )
+    return tensors
+
+
+def import_model(src: str | Path, output: str | Path) -> tuple[Path, MeshformerConfig]:
+    return write_import(read_source(src), output)
+
+
+def write_import(source: SourceModel, output: str | Path) -> tuple[Path, MeshformerConfig]:
+    if source.tokenizer_json is None:
+        raise UserError(
+            f"{source.origin}: no tokenizer.json: meshformer needs the model's tokenizer to train or generate"
+        )
+    cfg, tensors = source_to_model(source)
+    out, tmp = _fresh_output(output)
+    from meshformer.models import build_model
+
+    model = build_model(cfg.model.model_config)
+    model.load_state_dict(tensors, strict=True, assign=True)  # the tensors themselves: no second copy
+    files = {
+        "config.yaml": yaml.safe_dump(to_dict(cfg), sort_keys=False).encode(),
+        "tokenizer.json": source.tokenizer_json.encode(),
+        "tokenizer_config.json": json.dumps(source.tokenizer_config, indent=1).encode(),
+    }
+    state = {"step": 0, "imported_from": source.origin, "finite": True}
+    try:
+        save_checkpoint(tmp, [model], None, state, files)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return _finish(tmp, out), cfg
+
+
+def _tokenizer_config(ckpt: Path, tokenizer) -> dict:
+    """The checkpoint's tokenizer_config.json, or one made for meshformer's own tokenizers."""
+    f = ckpt / "tokenizer_config.json"
+    if f.is_file():
+        saved = json.loads(f.read_text(encoding="utf-8"))
+        if saved:
+            return {"tokenizer_class": "PreTrainedTokenizerFast", **saved}
+    from meshformer.data.tokenizer import _hf_config, special_token_ids
+
+    if tokenizer.token_to_id("<|im_start|>") is not None and tokenizer.token_to_id("<|pad|>") is not None:
+        return _hf_config()
+    ids = special_token_ids(tokenizer)
+    return {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": tokenizer.id_to_token(ids["bos"]),
+        "eos_token": tokenizer.id_to_token(ids["eos"]),
+        "clean_up_tokenization_spaces": False,
+    }
+
+
+def export_model(
+    checkpoint: str | Path, output: str | Path, dtype: str = "float32", shard_bytes: int = 5 << 30
+) -> tuple[Path, Path]:
+    """Write the Hugging Face directory of a checkpoint (or a run's newest good one). Returns (output, ckpt)."""
+    from meshformer.checkpoint.inference import load_for_inference
+    from meshformer.data.tokenizer import special_token_ids
+
+    ckpt = resolve_checkpoint(checkpoint)
+    out, tmp = _fresh_output(output)
+    model, cfg, tokenizer = load_for_inference(ckpt)
+    mc = cfg.model.model_config
+    hf_cfg = hf_config_from_model(mc, dtype)
+    ids = special_token_ids(tokenizer, ckpt)
+    for key, kind in (("bos_token_id", "bos"), ("eos_token_id", "eos")):
+        if hf_cfg[key] is None:
+            hf_cfg[key] = ids[kind]
+    tensors = {k: v.to(DTYPE[dtype]) for k, v in to_hf_names(model.state_dict()).items()}
+    tmp.mkdir(parents=True)
+    try:
+        write_hf_dir(
+            tmp,
+            hf_cfg,
+            tensors,
+            (ckpt / "tokenizer.json").read_text(encoding="utf-8"),  # the file as trained with, byte for byte
+            _tokenizer_config(ckpt, tokenizer),
+            shard_bytes=shard_bytes,
+        )
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return _finish(tmp, out), ckpt

@@ -1,0 +1,154 @@
+"""Reading and writing Hugging Face model directories (config.json, safetensors shards + index, tokenizer files).
+
+Reading accepts `model.safetensors`, sharded `model-*.safetensors` with `model.safetensors.index.json`, or
+`pytorch_model*.bin` read with `torch.load(weights_only=True)` (tensors only: never unpickles code). Names are
+translated to meshformer's by dropping the `model.` prefix; a tied `lm_head.weight` is dropped; old checkpoints'
+`rotary_emb.inv_freq` buffers are skipped (meshformer computes them).
+
+Writing produces what `transformers.AutoModelForCausalLM.from_pretrained` and `AutoTokenizer.from_pretrained`
+load with no missing or unexpected keys: safetensors shards of at most `shard_bytes` (an index when more than
+one), config.json, generation_config.json, tokenizer.json and tokenizer_config.json (with the chat template).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+
+from meshformer.checkpoint.source import SourceModel
+from meshformer.errors import UserError
+
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+BIN_INDEX = "pytorch_model.bin.index.json"
+
+
+def is_hf_dir(path: Path) -> bool:
+    return (path / "config.json").is_file() and any(
+        (path / n).is_file() for n in ("model.safetensors", SAFETENSORS_INDEX, "pytorch_model.bin", BIN_INDEX)
+    )
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise UserError(f"{path}: not readable JSON ({str(e).splitlines()[0]})") from None
+    if not isinstance(data, dict):
+        raise UserError(f"{path}: expected a JSON object")
+    return data
+
+
+def _weight_files(d: Path) -> list[Path]:
+    for index_name, single in ((SAFETENSORS_INDEX, "model.safetensors"), (BIN_INDEX, "pytorch_model.bin")):
+        if (d / index_name).is_file():
+            weight_map = _read_json(d / index_name).get("weight_map")
+            if not isinstance(weight_map, dict) or not weight_map:
+                raise UserError(f"{d / index_name}: no weight_map")
+            files = [d / f for f in sorted(set(weight_map.values()))]
+            missing = [f.name for f in files if not f.is_file()]
+            if missing:
+                raise UserError(
+                    f"{d}: shard {missing[0]} listed in {index_name} is missing ({len(missing)} of {len(files)} "
+                    f"shards): copy the whole model directory"
+                )
+            return files
+        if (d / single).is_file():
+            return [d / single]
+    raise UserError(f"{d}: no weights found (model.safetensors, {SAFETENSORS_INDEX}, pytorch_model.bin or {BIN_INDEX})")
+
+
+def _read_tensors(files: list[Path]) -> dict[str, torch.Tensor]:
+    tensors: dict[str, torch.Tensor] = {}
+    for f in files:
+        try:
+            if f.suffix == ".safetensors":
+                with safe_open(str(f), framework="pt") as sf:
+                    part = {k: sf.get_tensor(k) for k in sf.keys()}
+            else:
+                part = torch.load(f, map_location="cpu", weights_only=True, mmap=True)
+        except (SafetensorError, OSError, RuntimeError, ValueError) as e:
+            raise UserError(f"{f}: unreadable weights ({str(e).splitlines()[0][:160]})") from None
+        if not isinstance(part, dict) or not all(torch.is_tensor(v) for v in part.values()):
+            raise UserError(f"{f}: expected a mapping of tensor names to tensors")
+        tensors.update(part)
+    return tensors
+
+
+def read_tokenizer_files(d: Path) -> tuple[str | None, dict]:
+    """(tokenizer.json text or None, tokenizer_config.json with `chat_template` filled from chat_template.jinja)."""
+    tok = (d / "tokenizer.json").read_text(encoding="utf-8") if (d / "tokenizer.json").is_file() else None
+    tok_cfg = _read_json(d / "tokenizer_config.json") if (d / "tokenizer_config.json").is_file() else {}
+    if "chat_template" not in tok_cfg and (d / "chat_template.jinja").is_file():
+        tok_cfg["chat_template"] = (d / "chat_template.jinja").read_text(encoding="utf-8")
+    return tok, tok_cfg
+
+
+def read_hf_dir(path: str | Path) -> SourceModel:
+    d = Path(path)
+    if not (d / "config.json").is_file():
+        raise UserError(f"{d}: no config.json: pass a Hugging Face model directory or a .gguf file")
+    config = _read_json(d / "config.json")
+    tensors = _read_tensors(_weight_files(d))
+    tok, tok_cfg = read_tokenizer_files(d)
+    return SourceModel(config, tensors, tok, tok_cfg, origin=str(d))
+
+
+def to_meshformer_names(tensors: dict[str, torch.Tensor], tied: bool) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, t in tensors.items():
+        if name.endswith("rotary_emb.inv_freq"):
+            continue
+        if name == "lm_head.weight":
+            if not tied:
+                out[name] = t
+            continue
+        out[name.removeprefix("model.")] = t
+    return out
+
+
+def to_hf_names(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {(k if k == "lm_head.weight" else f"model.{k}"): v for k, v in state_dict.items()}
+
+
+def write_hf_dir(
+    out: Path,
+    config: dict,
+    tensors: dict[str, torch.Tensor],
+    tokenizer_json: str | None,
+    tokenizer_config: dict,
+    shard_bytes: int,
+) -> list[str]:
+    """Write into the (new, empty) directory `out`; returns the weight files written."""
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and size + nbytes > shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = t.detach().contiguous()
+        size += nbytes
+    names = (
+        ["model.safetensors"]
+        if len(shards) == 1
+        else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    )
+    for shard, name in zip(shards, names):
+        save_file(shard, str(out / name), metadata={"format": "pt"})
+    if len(shards) > 1:
+        index = {
+            "metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())},
+            "weight_map": {k: name for shard, name in zip(shards, names) for k in shard},
+        }
+        (out / SAFETENSORS_INDEX).write_text(json.dumps(index, indent=2))
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    gen = {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if config.get(k) is not None}
+    (out / "generation_config.json").write_text(json.dumps(gen, indent=2))
+    if tokenizer_json is not None:
+        (out / "tokenizer.json").write_text(tokenizer_json, encoding="utf-8")
+        (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2), encoding="utf-8")
+    return names

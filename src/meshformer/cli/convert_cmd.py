@@ -1,0 +1,81 @@
+"""`meshformer import` and `meshformer export`: published weights in, trained weights out.
+
+meshformer import ./SmolLM2-135M-Instruct --output ckpt/smollm2 --verify    # a Hugging Face directory
+meshformer import model.Q4_1.gguf --output ckpt/smollm2                     # or a GGUF file
+meshformer export runs/sft --output hf/sft --verify                          # a checkpoint or a run's output_dir
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from meshformer.errors import UserError
+
+
+def add_parser(sub) -> None:
+    i = sub.add_parser(
+        "import",
+        help="turn a Hugging Face model directory or a GGUF file into a meshformer checkpoint",
+        description="Convert a Hugging Face model directory (config.json + safetensors or pytorch_model*.bin) or "
+        "a GGUF file into a meshformer checkpoint directory (weights, config.yaml, tokenizer).",
+    )
+    i.add_argument("source", help="a Hugging Face model directory or a .gguf file")
+    i.add_argument("--output", required=True, help="the checkpoint directory to create (must not exist)")
+    i.add_argument("--verify", action="store_true", help="compare logits with transformers (exit 1 above 1e-4)")
+    i.set_defaults(func=run_import)
+    e = sub.add_parser(
+        "export",
+        help="write a checkpoint as a Hugging Face model directory",
+        description="Write a checkpoint (or a run's newest good one) as a directory that transformers loads: "
+        "config.json, safetensors shards with an index, tokenizer files and chat template.",
+    )
+    e.add_argument("checkpoint", help="a checkpoint/step_N directory or a run's output_dir")
+    e.add_argument("--output", required=True, help="the directory to create (must not exist)")
+    e.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"), help="weight dtype")
+    e.add_argument("--shard-size", default="5GB", help="largest safetensors shard, e.g. 500MB or 5GB (default 5GB)")
+    e.add_argument("--verify", action="store_true", help="load the result in transformers and compare logits")
+    e.set_defaults(func=run_export)
+
+
+def parse_size(text: str) -> int:
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)I?B?\s*", text.upper())
+    if not m or float(m.group(1)) <= 0:
+        raise UserError(f"--shard-size {text!r}: give a size like 500MB or 5GB")
+    return int(float(m.group(1)) * 1024 ** "_KMGT".index(m.group(2) or "_"))
+
+
+def run_import(args) -> int:
+    from meshformer.checkpoint.convert import import_model
+
+    out, cfg = import_model(args.source, args.output)
+    mc = cfg.model.model_config
+    print(
+        f"imported {args.source} -> {out}: {mc.type} {mc.num_layers} layers, hidden {mc.hidden_size}, "
+        f"{mc.num_heads} heads ({mc.num_kv_heads} kv), vocab {mc.vocab_size}"
+    )
+    if args.verify:
+        from meshformer.checkpoint import parity
+        from meshformer.checkpoint.inference import load_for_inference
+
+        model, _, tokenizer = load_for_inference(out)
+        src = Path(args.source)
+        gguf = src.name if src.suffix == ".gguf" else None
+        parity.verify(model, tokenizer, src.parent if gguf else src, gguf)
+    return 0
+
+
+def run_export(args) -> int:
+    from meshformer.checkpoint.convert import export_model
+
+    out, ckpt = export_model(args.checkpoint, args.output, args.dtype, parse_size(args.shard_size))
+    print(f"exported {ckpt} -> {out} ({args.dtype})")
+    if args.verify:
+        from meshformer.checkpoint import parity
+        from meshformer.checkpoint.inference import load_for_inference
+        from meshformer.dtypes import DTYPE
+
+        model, _, tokenizer = load_for_inference(ckpt)
+        model.to(DTYPE[args.dtype]).float()  # compare with the weights as exported (rounded to --dtype)
+        parity.verify(model, tokenizer, out)
+    return 0
