@@ -87,7 +87,6 @@ UNSUPPORTED = {
     "master__general__llm_pretrain_dense_template.yaml": (
         "train_dataset.data_loader.type='BlendedMegatronDatasetDataLoader'"
     ),
-    "r1.5.0__llama2__lora_llama2_7b.yaml": "model.model_config.pet_config (LoRA) is not supported yet",
 }
 
 

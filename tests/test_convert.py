@@ -203,3 +203,23 @@ def test_training_starts_from_a_hugging_face_directory_like_from_its_import(tmp_
     wrong = {"load_checkpoint": str(src), "model.model_config.intermediate_size": 96}
     with pytest.raises(Exception, match="is another model than model.model_config describes"):
         run_training(load_config(None, tiny_overrides(tiny_dataset, tmp_path / "wrong", wrong)))
+
+
+def test_gguf_export_loads_in_transformers_within_the_quantization_error(tmp_path, tokenizer_dir):
+    src = tmp_path / "hf"
+    reference = hf_model("Llama", {"num_key_value_heads": 2}, src, tokenizer_dir)
+    assert main(["import", str(src), "--output", str(tmp_path / "ckpt")]) == 0
+    x = tokens()
+    with torch.no_grad():
+        want = reference(x).logits
+    for qtype, tol in (("F16", 1e-2), ("Q8_0", 5e-2)):
+        out = tmp_path / f"model-{qtype}.gguf"
+        assert (
+            main(["export", str(tmp_path / "ckpt"), "--output", str(out), "--format", "gguf", "--gguf-type", qtype])
+            == 0
+        )
+        loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=out.name, dtype=torch.float32)
+        with torch.no_grad():
+            diff = (loaded.eval()(x).logits - want).abs().max().item()
+        print(f"GGUF {qtype}: max |logit difference| {diff:.2e}")
+        assert diff < tol, (qtype, diff)

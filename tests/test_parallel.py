@@ -46,6 +46,10 @@ WORLD2 = [
     "fsdp2:bf16",
     "tp2:bf16",
     "pp2_1f1b:bf16",
+    "dp2:lora",
+    "tp2_sp_accum:lora",
+    "pp2_1f1b:lora",
+    "fsdp2:lora",
 ]
 WORLD4 = [
     "dp4",
@@ -67,6 +71,7 @@ WORLD4 = [
     "dp2xtp2:tied",
     "dp2xtp2:wrapped",
     "fsdp2xtp2_sp_rc:bf16",
+    "dp2xtp2:lora",
 ]
 WORLD8 = ["dp2xtp2xpp2", "dp2xtp2xpp2_rc_accum", "fsdp2xtp2xpp2_sp_rc"]
 TWO_NODES = ["dp2xtp2", "fsdp2xpp2", "hsdp2x2_rc"]

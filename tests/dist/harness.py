@@ -92,6 +92,12 @@ VARIANTS = {
     "tied": {"model.model_config.tie_word_embeddings": True, "model.model_config.use_qk_norm": False},
     "bf16": {"model.model_config.compute_dtype": "bfloat16"},
     "wrapped": {},  # fp32, the decoder's linears wrapped by a model transform (VARIANT_TRANSFORMS)
+    # LoRA on column- (q, v, gate) and row-parallel (o, down) linears; the rest frozen.
+    "lora": {
+        "model.model_config.pet_config.pet_type": "lora",
+        "model.model_config.pet_config.lora_rank": 4,
+        "model.model_config.pet_config.target_modules": ".*q_proj|.*v_proj|.*o_proj|.*gate_proj|.*down_proj",
+    },
 }
 
 
@@ -125,6 +131,7 @@ VARIANT_CASES = {  # extra (case, variant) pairs beyond every case in fp32
     "tied": ["tp2_sp_accum", "dp2xtp2"],
     "bf16": ["fsdp2", "tp2", "pp2_1f1b", "fsdp2xtp2_sp_rc"],
     "wrapped": ["tp2_sp_accum", "dp2xtp2"],
+    "lora": ["dp2", "tp2_sp_accum", "pp2_1f1b", "fsdp2", "dp2xtp2"],
 }
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 import yaml
+from safetensors.torch import save_file
 
 from meshformer.checkpoint.hf_config import hf_config_from_model, model_config_from_hf
 from meshformer.checkpoint.hf_dir import read_hf_dir, to_hf_names, to_meshformer_names, write_hf_dir
@@ -26,6 +27,8 @@ from meshformer.config.load import from_dict, to_dict
 from meshformer.config.schema import MeshformerConfig, ModelConfig
 from meshformer.dtypes import DTYPE
 from meshformer.errors import UserError
+
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
 
 
 def read_source(src: str | Path) -> SourceModel:
@@ -141,33 +144,66 @@ def _tokenizer_config(ckpt: Path, tokenizer) -> dict:
 
 
 def export_model(
-    checkpoint: str | Path, output: str | Path, dtype: str = "float32", shard_bytes: int = 5 << 30
-) -> tuple[Path, Path]:
-    """Write the Hugging Face directory of a checkpoint (or a run's newest good one). Returns (output, ckpt)."""
+    checkpoint: str | Path,
+    output: str | Path,
+    dtype: str = "float32",
+    shard_bytes: int = 5 << 30,
+    merge_lora: bool = False,
+    gguf_type: str | None = None,
+) -> tuple[Path, Path, str]:
+    """Write the Hugging Face directory of a checkpoint (or a run's newest good one): the full model, or for a
+    LoRA run its adapter in PEFT's format (the full model with the adapters merged in: `merge_lora`); with
+    `gguf_type` (F32, F16, BF16, Q8_0) one GGUF file at `output` instead (adapters merged).
+    Returns (output, checkpoint, "model" | "adapter" | "gguf")."""
     from meshformer.checkpoint.inference import load_for_inference
-    from meshformer.data.tokenizer import special_token_ids
+    from meshformer.models.lora import lora_wanted, merged_state_dict, peft_adapter
 
     ckpt = resolve_checkpoint(checkpoint)
+    if gguf_type is not None:
+        return _export_gguf(ckpt, Path(output), dtype, gguf_type), ckpt, "gguf"
     out, tmp = _fresh_output(output)
     model, cfg, tokenizer = load_for_inference(ckpt)
-    mc = cfg.model.model_config
-    hf_cfg = hf_config_from_model(mc, dtype)
+    hf_cfg, tok_json, tok_cfg = _hf_side(ckpt, model, cfg, tokenizer, dtype)
+    adapter = lora_wanted(cfg) and not merge_lora
+    tmp.mkdir(parents=True)
+    try:
+        if adapter:
+            adapter_config, tensors = peft_adapter(model, cfg, base=str(cfg.load_checkpoint or ""))
+            save_file({k: v.to(DTYPE[dtype]).contiguous() for k, v in tensors.items()}, str(tmp / ADAPTER_WEIGHTS))
+            (tmp / "adapter_config.json").write_text(json.dumps(adapter_config, indent=2))
+            write_hf_dir(tmp, hf_cfg, {}, tok_json, tok_cfg, shard_bytes=shard_bytes, weights=False)
+        else:
+            state = merged_state_dict(model) if lora_wanted(cfg) else model.state_dict()
+            tensors = {k: v.to(DTYPE[dtype]) for k, v in to_hf_names(state).items()}
+            write_hf_dir(tmp, hf_cfg, tensors, tok_json, tok_cfg, shard_bytes=shard_bytes)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return _finish(tmp, out), ckpt, "adapter" if adapter else "model"
+
+
+def _hf_side(ckpt: Path, model, cfg, tokenizer, dtype: str) -> tuple[dict, str, dict]:
+    """(config.json, tokenizer.json text, tokenizer_config) of a checkpoint as export writes them."""
+    from meshformer.data.tokenizer import special_token_ids
+
+    hf_cfg = hf_config_from_model(cfg.model.model_config, dtype)
     ids = special_token_ids(tokenizer, ckpt)
     for key, kind in (("bos_token_id", "bos"), ("eos_token_id", "eos")):
         if hf_cfg[key] is None:
             hf_cfg[key] = ids[kind]
-    tensors = {k: v.to(DTYPE[dtype]) for k, v in to_hf_names(model.state_dict()).items()}
-    tmp.mkdir(parents=True)
-    try:
-        write_hf_dir(
-            tmp,
-            hf_cfg,
-            tensors,
-            (ckpt / "tokenizer.json").read_text(encoding="utf-8"),  # the file as trained with, byte for byte
-            _tokenizer_config(ckpt, tokenizer),
-            shard_bytes=shard_bytes,
-        )
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return _finish(tmp, out), ckpt
+    tok_json = (ckpt / "tokenizer.json").read_text(encoding="utf-8")  # the file as trained with, byte for byte
+    return hf_cfg, tok_json, _tokenizer_config(ckpt, tokenizer)
+
+
+def _export_gguf(ckpt: Path, out: Path, dtype: str, gguf_type: str) -> Path:
+    from meshformer.checkpoint.gguf_write import write_gguf
+    from meshformer.checkpoint.inference import load_for_inference
+    from meshformer.models.lora import lora_wanted, merged_state_dict
+
+    if out.suffix != ".gguf" or out.exists():
+        raise UserError(f"--output {out}: give a new file name ending in .gguf for --format gguf")
+    model, cfg, tokenizer = load_for_inference(ckpt)
+    hf_cfg, tok_json, tok_cfg = _hf_side(ckpt, model, cfg, tokenizer, dtype)
+    state = merged_state_dict(model) if lora_wanted(cfg) else model.state_dict()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    return write_gguf(out, hf_cfg, to_hf_names(state), tok_json, tok_cfg, qtype=gguf_type)

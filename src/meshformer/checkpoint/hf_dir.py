@@ -121,8 +121,13 @@ def write_hf_dir(
     tokenizer_json: str | None,
     tokenizer_config: dict,
     shard_bytes: int,
+    weights: bool = True,
 ) -> list[str]:
-    """Write into the (new, empty) directory `out`; returns the weight files written."""
+    """Write into the (new, empty) directory `out`; returns the weight files written. Without `weights` only the
+    config and tokenizer files (beside a PEFT adapter)."""
+    if not weights:
+        _write_side_files(out, config, tokenizer_json, tokenizer_config)
+        return []
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
     for name, t in tensors.items():
@@ -145,10 +150,14 @@ def write_hf_dir(
             "weight_map": {k: name for shard, name in zip(shards, names) for k in shard},
         }
         (out / SAFETENSORS_INDEX).write_text(json.dumps(index, indent=2))
+    _write_side_files(out, config, tokenizer_json, tokenizer_config)
+    return names
+
+
+def _write_side_files(out: Path, config: dict, tokenizer_json: str | None, tokenizer_config: dict) -> None:
     (out / "config.json").write_text(json.dumps(config, indent=2))
     gen = {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if config.get(k) is not None}
     (out / "generation_config.json").write_text(json.dumps(gen, indent=2))
     if tokenizer_json is not None:
         (out / "tokenizer.json").write_text(tokenizer_json, encoding="utf-8")
         (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2), encoding="utf-8")
-    return names

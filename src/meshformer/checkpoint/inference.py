@@ -15,7 +15,9 @@ def load_for_inference(path: str | Path, device: str | torch.device = "cpu"):
     """-> (model in eval mode, MeshformerConfig, tokenizers.Tokenizer). `path`: a checkpoint or a run's output_dir."""
     from meshformer.config.load import load_config
     from meshformer.data.tokenizer import load_tokenizer
-    from meshformer.models import create_model
+    from meshformer.dtypes import DTYPE
+    from meshformer.models import build_model, materialize
+    from meshformer.models.transforms import apply_model_transforms
 
     notes: list[str] = []
     ckpt = resolve_checkpoint(path, notes)  # a run directory: its newest checkpoint that verifies
@@ -26,7 +28,9 @@ def load_for_inference(path: str | Path, device: str | torch.device = "cpu"):
         raise UserError(f"{ckpt}: config.yaml is missing: this checkpoint was not written by `meshformer train`")
     cfg = load_config(cfg_file)
     mc = cfg.model.model_config
-    model = create_model(mc, cfg.seed, device)
+    model = build_model(mc)
+    apply_model_transforms(model, cfg)  # e.g. LoRA: the checkpoint holds base layers and adapters
+    materialize(model, device, cfg.seed, DTYPE[mc.param_init_type])
     load_model_weights(ckpt, [model], {k: tuple(v.shape) for k, v in model.state_dict().items()})
     model.eval()
     return model, cfg, load_tokenizer(ckpt / "tokenizer.json")

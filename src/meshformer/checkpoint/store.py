@@ -192,15 +192,20 @@ def check_model_fits(path: Path, expected: dict[str, tuple[int, ...]], complete:
         )
 
 
-def load_model_weights(path: Path, parts, expected: dict[str, tuple[int, ...]] | None = None) -> None:
+def load_model_weights(path: Path, parts, expected: dict[str, tuple[int, ...]] | None = None, rename=None) -> None:
     """Load weights into this rank's parts. `expected`: {name: shape} of the whole model, checked strictly
-    against the checkpoint first (default: the parts' own tensors, which must all be present)."""
+    against the checkpoint first (default: the parts' own tensors, which must all be present).
+
+    `rename(model key) -> checkpoint key, or None for a tensor the checkpoint does not hold`: base weights into a
+    transformed model (a LoRA linear's `q_proj.base_layer.weight` is the base model's `q_proj.weight`, its
+    adapters start fresh); `expected` is then in the checkpoint's names."""
     sd = model_state_dict(parts)
+    wanted = sd if rename is None else {rename(k): v for k, v in sd.items() if rename(k) is not None}
     if expected is None:
-        check_model_fits(path, {k: tuple(v.shape) for k, v in sd.items()}, complete=False)  # DTensor: global
+        check_model_fits(path, {k: tuple(v.shape) for k, v in wanted.items()}, complete=False)  # DTensor: global
     else:
         check_model_fits(path, expected)
-    _dcp_load(sd, path / "model")
+    _dcp_load(wanted, path / "model")  # fills the tensors of `sd` in place (`wanted` holds the same objects)
     for m in parts:
         set_model_state_dict(m, sd, options=StateDictOptions(strict=False))
 

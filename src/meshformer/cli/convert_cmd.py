@@ -31,9 +31,20 @@ def add_parser(sub) -> None:
         "config.json, safetensors shards with an index, tokenizer files and chat template.",
     )
     e.add_argument("checkpoint", help="a checkpoint/step_N directory or a run's output_dir")
-    e.add_argument("--output", required=True, help="the directory to create (must not exist)")
+    e.add_argument(
+        "--output", required=True, help="the directory to create (must not exist); with --format gguf a .gguf file"
+    )
+    e.add_argument("--format", default="hf", choices=("hf", "gguf"), help="Hugging Face directory or one GGUF file")
+    e.add_argument(
+        "--gguf-type", default="F16", choices=("F32", "F16", "BF16", "Q8_0"), help="GGUF tensor type (default F16)"
+    )
     e.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"), help="weight dtype")
     e.add_argument("--shard-size", default="5GB", help="largest safetensors shard, e.g. 500MB or 5GB (default 5GB)")
+    e.add_argument(
+        "--merge-lora",
+        action="store_true",
+        help="LoRA runs: write the full model with the adapters merged in (default: the adapter, PEFT's format)",
+    )
     e.add_argument("--verify", action="store_true", help="load the result in transformers and compare logits")
     e.set_defaults(func=run_export)
 
@@ -68,9 +79,15 @@ def run_import(args) -> int:
 def run_export(args) -> int:
     from meshformer.checkpoint.convert import export_model
 
-    out, ckpt = export_model(args.checkpoint, args.output, args.dtype, parse_size(args.shard_size))
-    print(f"exported {ckpt} -> {out} ({args.dtype})")
-    if args.verify:
+    gguf_type = args.gguf_type if args.format == "gguf" else None
+    out, ckpt, kind = export_model(
+        args.checkpoint, args.output, args.dtype, parse_size(args.shard_size), args.merge_lora, gguf_type
+    )
+    what = {"adapter": "a PEFT LoRA adapter", "model": f"the model, {args.dtype}", "gguf": f"GGUF {gguf_type}"}
+    print(f"exported {ckpt} -> {out} ({what[kind]})")
+    if args.verify and kind != "model":
+        print(f"--verify compares Hugging Face directories with transformers; not run for {what[kind]}")
+    elif args.verify:
         from meshformer.checkpoint import parity
         from meshformer.checkpoint.inference import load_for_inference
         from meshformer.dtypes import DTYPE

@@ -1,5 +1,6 @@
 """`meshformer preprocess --input FILE [FILE ...] --tokenizer DIR --output DIR [--val-fraction F]
-[--keep-duplicates] [--overwrite]`: text -> packed token dataset (sequence length is chosen at training time)."""
+[--keep-duplicates] [--overwrite]`: text -> packed token dataset (sequence length is chosen at training time);
+instruction data (.jsonl in alpaca, messages or sharegpt form) -> samples with a loss mask (data/sft.py)."""
 
 from __future__ import annotations
 
@@ -21,7 +22,35 @@ def add_parser(subparsers) -> None:
         help='.txt files (one document each) or .jsonl files (one {"text": ...} per line)',
     )
     p.add_argument(
-        "--tokenizer", required=True, metavar="DIR", help="directory holding tokenizer.json (or the file itself)"
+        "--tokenizer",
+        required=True,
+        metavar="DIR",
+        help="directory holding tokenizer.json (or the file): a model directory or a meshformer checkpoint",
+    )
+    p.add_argument(
+        "--format",
+        default="auto",
+        choices=("auto", "text", "alpaca", "messages", "sharegpt"),
+        help="input kind (default: from the fields of the first .jsonl record)",
+    )
+    p.add_argument(
+        "--template",
+        default=None,
+        metavar="NAME|FILE",
+        help="instruction data: chat template (chatml, llama3, llama2, a .jinja file; default: the tokenizer's)",
+    )
+    p.add_argument(
+        "--seq-length",
+        type=int,
+        default=2048,
+        metavar="N",
+        help="instruction data: longest sample in tokens (longer: see --overlong)",
+    )
+    p.add_argument(
+        "--overlong", default="truncate", choices=("truncate", "drop"), help="instruction data: longer samples"
+    )
+    p.add_argument(
+        "--train-on-prompt", action="store_true", help="instruction data: count prompt tokens in the loss too"
     )
     p.add_argument("--output", required=True, metavar="DIR", help="dataset directory to create")
     p.add_argument(
@@ -46,8 +75,50 @@ def add_parser(subparsers) -> None:
     p.set_defaults(func=run)
 
 
+def input_format(args) -> str:
+    """text, or the instruction format of the first .jsonl record (auto)."""
+    if args.format != "auto":
+        return args.format
+    import json
+    from pathlib import Path
+
+    from meshformer.data.sft import detect_format
+
+    for name in args.input:
+        p = Path(name)
+        if p.suffix == ".jsonl" and p.is_file():
+            with p.open(encoding="utf-8") as f:
+                first = next((ln for ln in f if ln.strip()), "")
+            try:
+                record = json.loads(first) if first else {}
+            except json.JSONDecodeError:
+                return "text"  # the text path reports the bad line
+            if isinstance(record, dict) and args.text_field not in record:
+                return detect_format(record, f"{p}:1")
+        return "text"
+    return "text"
+
+
 def run(args: argparse.Namespace) -> int:
     from meshformer.data.preprocess import preprocess
+
+    fmt = input_format(args)
+    if fmt != "text":
+        from meshformer.data.sft import preprocess_sft
+
+        preprocess_sft(
+            args.input,
+            args.tokenizer,
+            args.output,
+            fmt=fmt,
+            template=args.template,
+            seq_length=args.seq_length,
+            overlong=args.overlong,
+            train_on_prompt=args.train_on_prompt,
+            val_fraction=args.val_fraction,
+            overwrite=args.overwrite,
+        )
+        return 0
 
     preprocess(
         args.input,

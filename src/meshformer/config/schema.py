@@ -45,6 +45,22 @@ class RopeScalingConfig:
 
 
 @dataclass
+class PetConfig:
+    pet_type: str = setting(
+        "none", "Parameter-efficient fine-tuning: none, or lora (low-rank adapters).", choices=("none", "lora")
+    )
+    lora_rank: int = setting(
+        8, "LoRA rank r: the adapter of a d_out x d_in linear is B (d_out x r) A (r x d_in).", gt=0
+    )
+    lora_alpha: float = setting(16.0, "LoRA scale numerator: the adapter adds (lora_alpha / lora_rank) B A x.", gt=0)
+    lora_dropout: float = setting(0.0, "Dropout on the adapter's input (training only).", ge=0, le=0.9)
+    target_modules: str | list = setting(
+        ".*q_proj|.*k_proj|.*v_proj|.*o_proj",
+        "Linears to adapt: a regex over module paths (MindSpore's wq wk wv wo w1 w2 w3 work) or a list of names.",
+    )
+
+
+@dataclass
 class ModelConfig:
     type: str = setting(
         "LlamaConfig",
@@ -99,8 +115,9 @@ class ModelConfig:
     eos_token_id: int | None = setting(None, "End-of-sequence id (default: the tokenizer's).")
     pad_token_id: int | None = setting(None, "Padding id (default: the tokenizer's).")
     ignore_token_id: int = setting(-100, "Label value that the loss ignores.")
-    pet_config: dict | None = setting(
-        None, "Parameter-efficient fine-tuning (pet_type: lora); not supported yet, rejected."
+    pet_config: PetConfig = setting(PetConfig, "Parameter-efficient fine-tuning (pet_type: lora).")
+    pet_method: str = setting(
+        "none", "Short form of pet_config.pet_type (the seed's `pet_method: lora`).", choices=("none", "lora")
     )
     offset: int | list = setting(0, "Pipeline layer split: 0 for even, or a list of per-stage layer-count adjustments.")
 

@@ -42,8 +42,8 @@ def validate_config(cfg: MeshformerConfig) -> None:
         )
     if mc.rms_norm_eps >= 1:
         raise UserError(f"model.model_config.rms_norm_eps={mc.rms_norm_eps} is too large: use a small value like 1e-5")
-    if mc.pet_config:
-        raise UserError("model.model_config.pet_config (LoRA) is not supported yet: remove it to train all parameters")
+    if mc.pet_method == "lora":  # the short form switches LoRA on with pet_config's (default) settings
+        mc.pet_config.pet_type = "lora"
     validate_layout(cfg, world_size=None)
     rc = cfg.recompute_config.recompute
     pp = cfg.parallel_config.pipeline_stage

@@ -26,6 +26,7 @@ import torch
 from meshformer.errors import UserError
 
 FORMAT = "meshformer-packed-v1"
+SFT_FORMAT = "meshformer-sft-v1"  # instruction data with a loss mask (data/sft.py)
 
 
 def read_meta(dataset_dir: str | Path, field: str = "train_dataset.data_loader.dataset_dir") -> dict:
@@ -45,7 +46,7 @@ def read_meta(dataset_dir: str | Path, field: str = "train_dataset.data_loader.d
         raise UserError(f"{meta_path}: corrupt meta.json ({why}): re-run `meshformer preprocess`") from None
     if not isinstance(meta, dict):
         raise UserError(f"{meta_path}: meta.json is a JSON {type(meta).__name__}, not an object: re-run preprocess")
-    if meta.get("format") != FORMAT:
+    if meta.get("format") not in (FORMAT, SFT_FORMAT):
         raise UserError(f"{meta_path}: format {meta.get('format')!r} is not {FORMAT!r}: re-run `meshformer preprocess`")
     splits, vocab = meta.get("splits"), meta.get("vocab_size")
     problem = (
@@ -115,6 +116,56 @@ class PackedDataset:
             )
 
 
+class SFTDataset:
+    """Instruction samples (data/sft.py), one per row: tokens padded to seq_length + 1 with the pad id, and a mask
+    of the tokens the loss counts (the assistant's; padding never). Longer samples are cut at seq_length + 1."""
+
+    def __init__(
+        self, dataset_dir: str | Path, split: str, seq_length: int, field: str = "train_dataset.data_loader.dataset_dir"
+    ):
+        self.dir = Path(dataset_dir)
+        self.meta = read_meta(dataset_dir, field)
+        self.split, self.seq_length = split, seq_length
+        info = self.meta["splits"].get(split) or {}
+        if not info.get("samples"):
+            raise UserError(
+                f"{field}={str(self.dir)!r} has no {split!r} samples: re-run `meshformer preprocess` with more "
+                f"conversations (or a larger --val-fraction for validation)"
+            )
+        dtype = np.dtype(self.meta["dtype"]).newbyteorder("<")
+        self.tokens = np.memmap(self.dir / f"{split}.bin", dtype=dtype, mode="r")
+        self.masks = np.memmap(self.dir / f"{split}.mask.bin", dtype=np.uint8, mode="r")
+        self.offsets = np.load(self.dir / f"{split}.idx.npy", allow_pickle=False)
+        if not (self.tokens.shape[0] == self.masks.shape[0] == info["tokens"] == int(self.offsets[-1])):
+            raise UserError(f"{self.dir}: the {split!r} files disagree with meta.json: re-run `meshformer preprocess`")
+        self.pad = int(self.meta.get("pad_token_id") or self.meta["eos_token_id"])
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def _row(self, data: np.ndarray, i: int, fill: int) -> torch.Tensor:
+        a, b = int(self.offsets[i]), int(self.offsets[i + 1])
+        row = np.full(self.seq_length + 1, fill, dtype=np.int64)
+        n = min(b - a, self.seq_length + 1)
+        row[:n] = data[a : a + n]
+        return torch.from_numpy(row)
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return self._row(self.tokens, i, self.pad)
+
+    def mask(self, i: int) -> torch.Tensor:
+        return self._row(self.masks, i, 0).bool()
+
+    check_tokenizer = PackedDataset.check_tokenizer
+
+
+def open_dataset(dataset_dir: str | Path, split: str, seq_length: int, field: str):
+    """The dataset class its meta.json names: packed text (pre-training) or instruction samples (fine-tuning)."""
+    if read_meta(dataset_dir, field).get("format") == SFT_FORMAT:
+        return SFTDataset(dataset_dir, split, seq_length, field)
+    return PackedDataset(dataset_dir, split, seq_length, field)
+
+
 class SampleOrder:
     """The run's sample sequence: epoch e is a permutation drawn from (seed, e), or 0..n-1 without shuffle."""
 
@@ -155,3 +206,9 @@ class GlobalBatches:
     def batch(self, dataset: PackedDataset, b: int) -> torch.Tensor:
         """[samples_per_rank, seq_length + 1] token windows for global batch b."""
         return torch.stack([dataset[int(i)] for i in self.sample_ids(b)])
+
+    def targets(self, dataset, b: int) -> torch.Tensor | None:
+        """[samples_per_rank, seq_length + 1] loss mask of global batch b (None: every token is a target)."""
+        if not hasattr(dataset, "mask"):
+            return None
+        return torch.stack([dataset.mask(int(i)) for i in self.sample_ids(b)])

@@ -76,6 +76,7 @@ class _SplitWriter:
 
 # Everything a dataset directory holds; --overwrite replaces only a directory made of these.
 WRITES = {"train.bin", "train.idx.npy", "validation.bin", "validation.idx.npy", "meta.json", "tokenizer.json"}
+WRITES |= {"train.mask.bin", "validation.mask.bin", "tokenizer_config.json", "chat_template.jinja"}  # data/sft.py
 
 
 def _check_output(out: Path, overwrite: bool, keep: tuple[Path, ...] = ()) -> None:
@@ -271,11 +272,8 @@ def preprocess(
             "split_mode": mode,
             "text_field": text_field,
             "split_blank_lines": split_blank_lines,
-            "sources": [{"path": str(p.resolve()), "bytes": p.stat().st_size} for p in paths],
-            "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         }
-        (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
-        _publish(tmp, out, overwrite, keep)
+        meta = publish_with_meta(tmp, out, meta, paths, overwrite, keep)
     finally:
         for w in writers.values():
             w.fh.close()  # no-op after close(); on failure, release the files before removing them
@@ -310,6 +308,18 @@ def _split_mode(decisions: bytearray, val_fraction: float, paths: list[Path]) ->
     if kept * val_fraction >= MIN_EXPECTED_VAL_DOCS and 0 < val_docs < kept:
         return "document"
     return "tail"
+
+
+def publish_with_meta(tmp: Path, out: Path, meta: dict, paths: list[Path], overwrite: bool, keep: tuple) -> dict:
+    """Add the sources and time to `meta`, write meta.json last, and move the finished dataset into place."""
+    meta = {
+        **meta,
+        "sources": [{"path": str(p.resolve()), "bytes": p.stat().st_size} for p in paths],
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    }
+    (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
+    _publish(tmp, out, overwrite, keep)
+    return meta
 
 
 def _publish(tmp: Path, out: Path, overwrite: bool, keep: tuple[Path, ...]) -> None:

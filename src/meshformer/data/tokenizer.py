@@ -22,6 +22,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
+from meshformer.data.chat import BUILTIN
 from meshformer.data.documents import iter_documents, resolve_inputs
 from meshformer.errors import UserError
 
@@ -150,6 +151,7 @@ def _hf_config() -> dict:
         "add_eos_token": False,
         "clean_up_tokenization_spaces": False,
         "additional_special_tokens": [IM_START, IM_END],
+        "chat_template": BUILTIN["chatml"],  # the turn markers above are ChatML's
     }
 
 

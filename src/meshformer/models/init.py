@@ -16,6 +16,7 @@ from torch import nn
 from meshformer.config.schema import ModelConfig
 from meshformer.dtypes import DTYPE
 from meshformer.models.llama import RMSNorm, RopeTables, Transformer
+from meshformer.models.lora import lora_init
 
 # Wrapper prefixes that activation checkpointing and torch.compile add to parameter names.
 WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
@@ -71,6 +72,9 @@ def _draw(name: str, shape: tuple, seed: int, std: float) -> torch.Tensor:
     if leaf == "bias":
         return torch.zeros(shape)
     g = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63))
+    lora = lora_init(name, shape, g)
+    if lora is not None:
+        return lora
     return torch.randn(shape, generator=g) * std
 
 

@@ -31,9 +31,15 @@ class ModelTransform:
     apply: Callable[[nn.Module, MeshformerConfig], None]  # rewrite the (meta-device) model in place
 
 
-# The registry, in application order. Transforms join as their features land (issues: LoRA and freezing,
-# MoE, fused projections); until then a config that asks for one is refused by config/validate.py.
-TRANSFORMS: tuple[ModelTransform, ...] = ()
+def _transforms() -> tuple[ModelTransform, ...]:
+    from meshformer.models.lora import apply_lora, lora_wanted
+
+    return (ModelTransform("lora", lora_wanted, apply_lora),)
+
+
+# The registry, in application order. Transforms join as their features land (freezing, MoE, fused
+# projections: later issues); until then a config that asks for one is refused by config/validate.py.
+TRANSFORMS: tuple[ModelTransform, ...] = _transforms()
 
 
 def apply_model_transforms(

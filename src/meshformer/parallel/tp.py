@@ -16,6 +16,8 @@ into a torch ParallelStyle (the Megatron recipe) and applies it:
   head_norm        per-head norm (q/k norm) over the heads this rank holds
   gather_sequence  a module that needs the whole sequence (attention, MLP): under sequence parallelism its first
                    input is all-gathered from sequence shards; nothing otherwise
+  replicated, rowwise_to_replicated, replicated_to_output
+                   the factors of a LoRA linear (models/lora.py `tp_subplan`)
 
 A module that a model transform wrapped (a LoRA linear around q_proj, say) still gets its plan: when the module
 at a planned path defines `tp_subplan(style) -> {relative path: style}`, the applier plans its pieces instead.
@@ -49,7 +51,8 @@ class NormParallel(ParallelStyle):
     @staticmethod
     def _params(name, module, mesh):
         for p_name, p in list(module.named_parameters(recurse=False)):
-            module.register_parameter(p_name, nn.Parameter(DTensor.from_local(p, mesh, [Replicate()], run_check=False)))
+            dt = DTensor.from_local(p, mesh, [Replicate()], run_check=False)
+            module.register_parameter(p_name, nn.Parameter(dt, requires_grad=p.requires_grad))  # frozen stays frozen
 
     def _in(self, mod, inputs, mesh):
         x = inputs[0]
@@ -65,6 +68,27 @@ class NormParallel(ParallelStyle):
     def _apply(self, module: nn.Module, mesh) -> nn.Module:
         return distribute_module(
             module, mesh, self._params, partial(NormParallel._in, self), partial(NormParallel._out, self)
+        )
+
+
+class Replicated(ParallelStyle):
+    """A small linear whose weight is whole on every tp rank (a LoRA factor): the input becomes a DTensor laid out
+    as `in_placement`, the output is redistributed to `out_placement` and handed on as a local tensor only with
+    `local_output` (kept a DTensor, the next layer's backward can reduce the partial gradients it produces)."""
+
+    def __init__(self, in_placement, out_placement, local_output: bool):
+        super().__init__()
+        self.in_placement, self.out_placement, self.local_output = in_placement, out_placement, local_output
+
+    _in = NormParallel._in  # the same input handling as a replicated-weight norm
+
+    def _out(self, mod, out, mesh):
+        out = out.redistribute(placements=[self.out_placement])
+        return out.to_local() if self.local_output else out
+
+    def _apply(self, module: nn.Module, mesh) -> nn.Module:
+        return distribute_module(
+            module, mesh, NormParallel._params, partial(Replicated._in, self), partial(Replicated._out, self)
         )
 
 
@@ -96,6 +120,10 @@ def make_style(name: str, seq_parallel: bool) -> ParallelStyle | None:
         "norm_to_head": lambda: NormParallel(seq, Replicate()),
         "head_norm": lambda: NormParallel(Shard(2)),
         "gather_sequence": lambda: GatherSequence() if seq_parallel else None,
+        # LoRA factors (models/lora.py): A of a column-parallel linear, then B of a row-parallel one's
+        "replicated": lambda: Replicated(Replicate(), Replicate(), local_output=False),
+        "rowwise_to_replicated": lambda: RowwiseParallel(output_layouts=Replicate(), use_local_output=False),
+        "replicated_to_output": lambda: Replicated(Replicate(), seq, local_output=True),
     }
     if name not in styles:
         raise ValueError(f"unknown tensor-parallel style {name!r}: one of {', '.join(styles)}")

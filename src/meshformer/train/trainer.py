@@ -21,11 +21,12 @@ from meshformer.checkpoint.hf_dir import is_hf_dir
 from meshformer.checkpoint.saver import CheckpointSaver
 from meshformer.config.load import to_dict
 from meshformer.config.schema import MeshformerConfig
-from meshformer.data.dataset import GlobalBatches, PackedDataset, SampleOrder
+from meshformer.data.dataset import GlobalBatches, SampleOrder, open_dataset
 from meshformer.data.tokenizer import tokenizer_hash
 from meshformer.dtypes import DTYPE
 from meshformer.errors import RunFailed, UserError
 from meshformer.models import num_params
+from meshformer.models.lora import base_name, lora_wanted
 from meshformer.parallel import ModelParts, ParallelEnv, init_parallel
 from meshformer.parallel.dims import ParallelDims
 from meshformer.planner.fits import check_fits
@@ -92,7 +93,7 @@ class Trainer:
         cfg, field = self.cfg, "train_dataset.data_loader.dataset_dir"
         if cfg.train_dataset.data_loader.type != "MindDataset":
             raise UserError(f"{field}: only MindDataset directories are supported")
-        self.train_ds = PackedDataset(
+        self.train_ds = open_dataset(
             cfg.train_dataset.data_loader.dataset_dir, cfg.train_dataset.split or "train", self.mc.seq_length, field
         )
         tok = self.train_ds.dir / "tokenizer.json"
@@ -106,7 +107,7 @@ class Trainer:
         if cfg.do_eval or cfg.eval_config.eval_interval > 0:
             eval_dir = ev.data_loader.dataset_dir or cfg.train_dataset.data_loader.dataset_dir
             split = ev.split or "validation"
-            self.eval_ds = PackedDataset(eval_dir, split, self.mc.seq_length, "eval_dataset.data_loader.dataset_dir")
+            self.eval_ds = open_dataset(eval_dir, split, self.mc.seq_length, "eval_dataset.data_loader.dataset_dir")
             self.eval_ds.check_tokenizer(
                 self.tokenizer_hash, self.mc.vocab_size, "eval_dataset.data_loader.dataset_dir"
             )
@@ -144,6 +145,7 @@ class Trainer:
         for name in built.transforms:
             self.console.log(f"model transform: {name}")
         self.n_params = num_params(built.model)
+        self.n_trainable = sum(p.numel() for p in built.model.parameters() if p.requires_grad)
         # The input embedding is a lookup, not a matmul; a tied head does matmul work, so count it then.
         self.n_embedding = 0 if self.mc.tie_word_embeddings else built.model.embed_tokens.weight.numel()
         self.parts: ModelParts = built.parts
@@ -159,17 +161,29 @@ class Trainer:
         self.last_finite = True
         if self.resume_from is not None:
             self._restore(self.resume_from)
-        elif cfg.load_checkpoint and is_hf_dir(Path(cfg.load_checkpoint)):  # a Hugging Face model directory
-            src = Path(cfg.load_checkpoint)
+        elif cfg.load_checkpoint:
+            self._load_base_weights(Path(cfg.load_checkpoint))
+
+    def _load_base_weights(self, src: Path) -> None:
+        """`load_checkpoint`: weights only, from a checkpoint, a run directory or a Hugging Face directory. A LoRA
+        model takes them into its base layers (`base_name`); its adapters keep their fresh initialisation."""
+        lora = lora_wanted(self.cfg)
+        rename = base_name if lora else None
+        expected = self.expected_shapes
+        if lora:
+            expected = {base_name(k): v for k, v in expected.items() if base_name(k) is not None}
+        if is_hf_dir(src):
             self._check_ckpt_tokenizer(src)
-            tensors = hf_weights_for(src, self.expected_shapes, "load_checkpoint")
+            tensors = hf_weights_for(src, expected, "load_checkpoint")
+            if lora:
+                tensors = {k: tensors[base_name(k)] for k in self.expected_shapes if base_name(k) is not None}
             store.load_full_weights(self.parts.parts, tensors)
             self.console.log(f"loaded weights from the Hugging Face model {src}")
-        elif cfg.load_checkpoint:
-            ckpt = self.run_dir.resolve(cfg.load_checkpoint)
-            self._check_ckpt_tokenizer(ckpt)
-            store.load_model_weights(ckpt, self.parts.parts, self.expected_shapes)
-            self.console.log(f"loaded weights from {ckpt}")
+            return
+        ckpt = self.run_dir.resolve(src)
+        self._check_ckpt_tokenizer(ckpt)
+        store.load_model_weights(ckpt, self.parts.parts, expected, rename)
+        self.console.log(f"loaded weights from {ckpt}")
 
     def _check_ckpt_tokenizer(self, ckpt: Path) -> None:
         tok = ckpt / "tokenizer.json"
@@ -216,7 +230,9 @@ class Trainer:
         fpt = M.flops_per_token(self.mc, self.n_params, self.n_embedding)
         tokens_per_step = plan.global_batch * self.mc.seq_length
         self.console.log(
-            f"model {self.n_params / 1e6:.2f}M parameters, {fpt / 1e6:.1f} MFLOP/token; "
+            f"model {self.n_params / 1e6:.2f}M parameters"
+            + (f" ({self.n_trainable:,} trainable)" if self.n_trainable != self.n_params else "")
+            + f", {fpt / 1e6:.1f} MFLOP/token; "
             f"{plan.describe(cfg, env.dims)}; {self.total_steps} steps; peak {peak / 1e12:.3f} TFLOP/s "
             f"per device ({peak_src}); world size {env.world_size}"
         )
@@ -238,8 +254,7 @@ class Trainer:
                         f"train_dataset: global batch {batch_index} holds token id {int(tokens.max())} but "
                         f"model.model_config.vocab_size is {self.mc.vocab_size}: re-run `meshformer preprocess`"
                     )
-                tokens = tokens.to(env.device)
-                inputs, labels = tokens[:, :-1], tokens[:, 1:]
+                inputs, labels = self._inputs_labels(tokens, self.batches.targets(self.train_ds, batch_index))
                 lr = self.schedule.apply(step)
                 counter = M.ActivationCounter() if step == self.start_step and env.device.type == "cpu" else None
                 result = train_step(
@@ -359,6 +374,15 @@ class Trainer:
         )
         return back
 
+    def _inputs_labels(self, tokens: torch.Tensor, targets: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Inputs and next-token labels of token rows; labels the mask does not keep (prompts, padding of
+        instruction data) become ignore_token_id."""
+        tokens = tokens.to(self.env.device)
+        labels = tokens[:, 1:]
+        if targets is not None:
+            labels = labels.masked_fill(~targets[:, 1:].to(self.env.device), self.mc.ignore_token_id)
+        return tokens[:, :-1], labels
+
     def _eval_due(self, done: int) -> bool:
         every = self.cfg.eval_config.eval_interval
         return (every > 0 and done % every == 0) or (self.cfg.do_eval and done == self.total_steps)
@@ -369,8 +393,7 @@ class Trainer:
 
         def batches():
             for b in range(min(self.cfg.eval_config.eval_iters, order.per_epoch)):
-                tokens = torch.stack([ds[int(i)] for i in order.sample_ids(b)]).to(self.env.device)
-                yield tokens[:, :-1], tokens[:, 1:]
+                yield self._inputs_labels(order.batch(ds, b), order.targets(ds, b))
 
         return evaluate(self.parts, self.env, batches(), self.plan.micro_batch, self.mc.ignore_token_id)
 

@@ -1,0 +1,263 @@
+"""Instruction data for supervised fine-tuning: conversations rendered with the model's chat template, a loss mask
+that keeps only what the assistant says, written as a dataset the trainer reads (format meshformer-sft-v1).
+
+Inputs are JSONL, one sample per line, in one of three shapes (detected from the fields, `--format` forces one):
+  alpaca    {"instruction", "input" (optional), "output", "system" (optional)}
+  messages  {"messages": [{"role": "system"|"user"|"assistant", "content"}, ...]}   (OpenAI style, multi-turn)
+  sharegpt  {"conversations": [{"from": "system"|"human"|"gpt", "value"}, ...]}
+
+The mask comes from the template itself: for every assistant turn k, the conversation up to k rendered with the
+generation prompt must be a prefix of the conversation through turn k; the characters between the two are the
+assistant's, including the template's end-of-turn token (<|im_end|>, <|eot_id|>, </s>), so the model learns to
+stop. A template that renders earlier turns differently once later turns are added is refused: training and
+serving would then see different text. Tokens whose characters are the assistant's count toward the loss
+(`train_on_prompt` counts every token). Samples are kept whole, one per row; the trainer pads each to
+seq_length + 1 (pad labels ignored), so no sample ever attends to another.
+
+Directory: meta.json, tokenizer.json, tokenizer_config.json, chat_template.jinja, and per split
+{split}.bin (tokens), {split}.mask.bin (uint8, 1 = this token is a target) and {split}.idx.npy (offsets, n + 1).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+
+import numpy as np
+from rich.console import Console
+from rich.markup import escape
+
+from meshformer.data.chat import load_chat_template, render_chat, template_tokens
+from meshformer.data.documents import resolve_inputs
+from meshformer.data.preprocess import _check_output, clean_stale_temps, publish_with_meta
+from meshformer.data.tokenizer import load_tokenizer, special_token_ids, vocab_size
+from meshformer.errors import UserError
+
+FORMAT = "meshformer-sft-v1"
+FORMATS = ("alpaca", "messages", "sharegpt")
+SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant"}
+
+
+def detect_format(record: dict, where: str) -> str:
+    if "messages" in record:
+        return "messages"
+    if "conversations" in record:
+        return "sharegpt"
+    if "instruction" in record and "output" in record:
+        return "alpaca"
+    raise UserError(
+        f"{where}: cannot tell the format from the fields {sorted(record)[:6]}: expected 'messages', "
+        f"'conversations' or 'instruction' + 'output' (or pass --format)"
+    )
+
+
+def to_messages(record: dict, fmt: str, where: str) -> list[dict]:
+    if fmt == "alpaca":
+        user = str(record.get("instruction", ""))
+        if record.get("input"):
+            user = f"{user}\n\n{record['input']}"
+        msgs = [{"role": "system", "content": str(record["system"])}] if record.get("system") else []
+        return [*msgs, {"role": "user", "content": user}, {"role": "assistant", "content": str(record["output"])}]
+    key, role_key, text_key = (
+        ("messages", "role", "content") if fmt == "messages" else ("conversations", "from", "value")
+    )
+    turns = record.get(key)
+    if not isinstance(turns, list) or not all(isinstance(t, dict) for t in turns):
+        raise UserError(f"{where}: {key!r} must be a list of objects")
+    out = []
+    for t in turns:
+        role = str(t.get(role_key, ""))
+        role = SHAREGPT_ROLES.get(role, role) if fmt == "sharegpt" else role
+        if role not in ("system", "user", "assistant"):
+            raise UserError(f"{where}: unknown role {t.get(role_key)!r} (system, user, assistant)")
+        out.append({"role": role, "content": str(t.get(text_key, ""))})
+    return out
+
+
+def assistant_spans(template: str, messages: list[dict], specials: dict, where: str) -> tuple[str, list[tuple]]:
+    """(the rendered conversation, [(start, end) character span of every assistant turn])."""
+    full = render_chat(template, messages, **specials)
+    spans = []
+    for k, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        before = render_chat(template, messages[:k], add_generation_prompt=True, **specials)
+        through = render_chat(template, messages[: k + 1], **specials)
+        if not through.startswith(before) or not full.startswith(through):
+            raise UserError(
+                f"{where}: the chat template renders turn {k} differently once later turns are added, so the "
+                f"assistant's tokens cannot be told apart (and training would not match serving): fix the template"
+            )
+        if len(through) == len(before):
+            raise UserError(
+                f"{where}: the chat template renders nothing for assistant turns (it has no assistant role): "
+                f"use a template that renders them (--template chatml, llama3 or llama2)"
+            )
+        spans.append((len(before), len(through)))
+    if not spans:
+        raise UserError(f"{where}: no assistant turn: a fine-tuning sample needs at least one reply to learn")
+    return full, spans
+
+
+def encode_sample(tok, template: str, messages: list[dict], specials: dict, train_on_prompt: bool, where: str):
+    """(token ids, mask: 1 for tokens the loss counts, roles: per-token role name)."""
+    text, spans = assistant_spans(template, messages, specials, where)
+    enc = tok.encode(text, add_special_tokens=False)
+    ids = np.asarray(enc.ids, dtype=np.int64)
+    mask = np.zeros(len(ids), dtype=np.uint8)
+    for i, (a, b) in enumerate(enc.offsets):
+        if train_on_prompt or any(s <= a and b <= e and a < b for s, e in spans):
+            mask[i] = 1
+    return ids, mask, text, spans
+
+
+def preprocess_sft(
+    inputs: list,
+    tokenizer: str | Path,
+    output: str | Path,
+    *,
+    fmt: str | None = None,
+    template: str | None = None,
+    seq_length: int = 2048,
+    overlong: str = "truncate",
+    train_on_prompt: bool = False,
+    val_fraction: float = 0.05,
+    overwrite: bool = False,
+    console: Console | None = None,
+) -> dict:
+    t0 = time.perf_counter()
+    console = console or Console()
+    if not 0.0 <= val_fraction < 1.0:
+        raise UserError(f"--val-fraction={val_fraction}: must be in [0, 1), e.g. 0.05")
+    if fmt is not None and fmt not in FORMATS:
+        raise UserError(f"--format {fmt!r}: one of {', '.join(FORMATS)}")
+    paths = resolve_inputs(inputs)
+    out = Path(output)
+    keep = (*paths, Path(tokenizer))
+    _check_output(out, overwrite, keep)
+    for p in clean_stale_temps(out):
+        console.print(f"removed {escape(str(p))}, left by a preprocess run that was killed", soft_wrap=True)
+    tok_dir = Path(tokenizer) if Path(tokenizer).is_dir() else Path(tokenizer).parent
+    tok = load_tokenizer(tokenizer)
+    tok.no_padding()
+    tok.no_truncation()
+    tok_bytes = (tok_dir / "tokenizer.json").read_bytes()
+    tok_cfg_file = tok_dir / "tokenizer_config.json"
+    tok_cfg = json.loads(tok_cfg_file.read_text(encoding="utf-8")) if tok_cfg_file.is_file() else {}
+    chat_template = load_chat_template(tok_dir, template)
+    specials = template_tokens(tok_cfg)
+    ids_special, vocab = special_token_ids(tok, tok_dir), vocab_size(tok)
+    dtype = np.dtype("<u2") if vocab <= 1 << 16 else np.dtype("<u4")
+    every = round(1 / val_fraction) if val_fraction > 0 else 0
+
+    splits = {s: {"ids": [], "masks": []} for s in ("train", "validation")}
+    report = {"samples": 0, "truncated": 0, "dropped": 0, "tokens": 0, "target_tokens": 0, "by_role": {}}
+    example = None
+    for path in paths:
+        for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            if not line.strip():
+                continue
+            where = f"{path}:{n}"
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise UserError(f"{where}: not JSON ({e.msg})") from None
+            if not isinstance(record, dict):
+                raise UserError(f"{where}: each line must be a JSON object")
+            messages = to_messages(record, fmt or detect_format(record, where), where)
+            ids, mask, text, spans = encode_sample(tok, chat_template, messages, specials, train_on_prompt, where)
+            _count_roles(report, tok, text, messages, chat_template, specials, ids, mask)
+            if len(ids) > seq_length + 1:
+                if overlong == "drop":
+                    report["dropped"] += 1
+                    continue
+                ids, mask = ids[: seq_length + 1], mask[: seq_length + 1]
+                report["truncated"] += 1
+            if example is None:
+                example = (tok, ids, mask)
+            split = "validation" if every and report["samples"] % every == every - 1 else "train"
+            splits[split]["ids"].append(ids)
+            splits[split]["masks"].append(mask)
+            report["samples"] += 1
+            report["tokens"] += len(ids)
+            report["target_tokens"] += int(mask.sum())
+    if not splits["train"]["ids"]:
+        raise UserError(f"--input: no usable samples in {', '.join(map(str, paths))}")
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        meta_splits = {s: _write_split(tmp, s, d["ids"], d["masks"], dtype) for s, d in splits.items()}
+        (tmp / "tokenizer.json").write_bytes(tok_bytes)
+        (tmp / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=1), encoding="utf-8")
+        (tmp / "chat_template.jinja").write_text(chat_template, encoding="utf-8")
+        meta = {
+            "format": FORMAT,
+            "dtype": dtype.name,
+            "tokenizer_hash": hashlib.sha256(tok_bytes).hexdigest(),
+            "vocab_size": vocab,
+            "eos_token_id": ids_special["eos"],
+            "bos_token_id": ids_special["bos"],
+            "pad_token_id": ids_special["pad"],
+            "seq_length": seq_length,
+            "train_on_prompt": train_on_prompt,
+            "splits": meta_splits,
+            "report": report,
+        }
+        meta = publish_with_meta(tmp, out, meta, paths, overwrite, keep)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    summary = {**meta, "output": str(out), "seconds": round(time.perf_counter() - t0, 3)}
+    _print_report(console, summary, example)
+    return summary
+
+
+def _write_split(d: Path, split: str, ids: list, masks: list, dtype) -> dict:
+    flat = np.concatenate(ids) if ids else np.zeros(0, dtype=np.int64)
+    (d / f"{split}.bin").write_bytes(flat.astype(dtype).tobytes())
+    (d / f"{split}.mask.bin").write_bytes((np.concatenate(masks) if masks else np.zeros(0, np.uint8)).tobytes())
+    offsets = np.zeros(len(ids) + 1, dtype=np.int64)
+    offsets[1:] = np.cumsum([len(x) for x in ids])
+    np.save(d / f"{split}.idx.npy", offsets, allow_pickle=False)
+    return {"tokens": int(flat.shape[0]), "documents": len(ids), "samples": len(ids)}
+
+
+def _count_roles(report, tok, text, messages, template, specials, ids, mask) -> None:
+    """Per-role token counts (for the mask report): a token belongs to the turn its characters start in."""
+    bounds = [len(render_chat(template, messages[: k + 1], **specials)) for k in range(len(messages))]
+    enc = tok.encode(text, add_special_tokens=False)
+    for (a, _), m in zip(enc.offsets, mask):
+        k = next((i for i, b in enumerate(bounds) if a < b), len(messages) - 1)
+        role = messages[k]["role"]
+        counts = report["by_role"].setdefault(role, {"tokens": 0, "target_tokens": 0})
+        counts["tokens"] += 1
+        counts["target_tokens"] += int(m)
+
+
+def _print_report(console: Console, s: dict, example) -> None:
+    r = s["report"]
+    p = lambda text: console.print(text, soft_wrap=True)  # noqa: E731
+    p(f"[bold]wrote {escape(s['output'])}[/bold] in {s['seconds']:.2f}s (instruction data, {FORMAT})")
+    tr, va = s["splits"]["train"], s["splits"]["validation"]
+    p(
+        f"  samples     {r['samples']} kept ({tr['samples']} train, {va['samples']} validation); "
+        f"{r['truncated']} truncated and {r['dropped']} dropped at seq_length {s['seq_length']}"
+    )
+    share = r["target_tokens"] / max(r["tokens"], 1)
+    p(f"  loss mask   {r['target_tokens']:,} of {r['tokens']:,} tokens count toward the loss ({share:.1%})")
+    for role, c in sorted(r["by_role"].items()):
+        p(f"    {role:<10} {c['tokens']:>8,} tokens, {c['target_tokens'] / max(c['tokens'], 1):6.1%} trained")
+    if example is not None:
+        tok, ids, mask = example
+        parts = []
+        for t, m in zip(ids.tolist(), mask.tolist()):
+            piece = escape(tok.decode([t], skip_special_tokens=False))
+            parts.append(f"[bold green]{piece}[/bold green]" if m else f"[dim]{piece}[/dim]")
+        p("  first sample (trained tokens in green):")
+        p("    " + "".join(parts).replace("\n", "\n    "))
