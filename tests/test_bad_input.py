@@ -229,7 +229,9 @@ def test_unknown_explain_prefix(capsys, prefix, hint):
 # ---------------------------------------------------------------- fields that look meaningful
 
 
-@pytest.mark.parametrize("mode, needle", [("predict", "meshformer generate"), ("eval", "not available yet")])
+@pytest.mark.parametrize(
+    "mode, needle", [("predict", "meshformer generate"), ("eval", "meshformer eval --checkpoint DIR --input FILE")]
+)
 def test_run_modes_that_do_not_train_are_refused(tiny_dataset, tmp_path, capsys, mode, needle):
     fails(capsys, train_argv(tiny_dataset, tmp_path / "o", {"run_mode": mode}), f"run_mode={mode}", needle)
     assert not (tmp_path / "o").exists()

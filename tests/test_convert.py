@@ -223,3 +223,53 @@ def test_gguf_export_loads_in_transformers_within_the_quantization_error(tmp_pat
             diff = (loaded.eval()(x).logits - want).abs().max().item()
         print(f"GGUF {qtype}: max |logit difference| {diff:.2e}")
         assert diff < tol, (qtype, diff)
+
+
+def test_finetune_takes_the_model_shape_from_load_checkpoint(tmp_path, tiny_dataset, tokenizer_dir):
+    from meshformer.config import load_config
+    from meshformer.errors import UserError
+    from meshformer.train.trainer import run_training
+
+    src = tmp_path / "hf"
+    shape = dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, intermediate_size=64, rope_theta=1e4)
+    hf_model("Llama", {**shape, "max_position_embeddings": 64}, src, tokenizer_dir)
+    run = [  # no architecture at all: run_mode finetune takes it from the Hugging Face directory
+        "--run_mode", "finetune", "--load_checkpoint", str(src), "--model.model_config.seq_length", "32",
+        "--train_dataset.data_loader.dataset_dir", str(tiny_dataset), "--train_dataset.batch_size", "4",
+        "--runner_config.stop_step", "2", "--monitor_config.peak_flops", "1e12",
+    ]  # fmt: skip
+    run_training(load_config(None, [*run, "--output_dir", str(tmp_path / "a")]))
+    saved = load_config(sorted((tmp_path / "a" / "checkpoint").iterdir())[-1] / "config.yaml")
+    mc = saved.model.model_config
+    assert (mc.hidden_size, mc.num_layers, mc.n_kv_heads, mc.intermediate_size, mc.vocab_size) == (32, 2, 2, 64, 512)
+    assert mc.seq_length == 32  # the run's own
+    with pytest.raises(UserError, match="model.model_config.hidden_size=64 but the model in load_checkpoint has 32"):
+        run_training(
+            load_config(None, [*run, "--output_dir", str(tmp_path / "b"), "--model.model_config.hidden_size", "64"])
+        )
+    with pytest.raises(UserError, match="run_mode: finetune needs load_checkpoint"):
+        run_training(load_config(None, ["--run_mode", "finetune", "--output_dir", str(tmp_path / "c")]))
+
+
+def test_eval_command_reports_the_perplexity_transformers_computes(tmp_path, tokenizer_dir, capsys):
+    src = tmp_path / "hf"
+    reference = hf_model("Llama", {"num_key_value_heads": 2}, src, tokenizer_dir)
+    assert main(["import", str(src), "--output", str(tmp_path / "ckpt")]) == 0
+    text = tmp_path / "para.txt"
+    text.write_text(parity.PARAGRAPH)
+    capsys.readouterr()
+    assert (
+        main(["eval", "--checkpoint", str(tmp_path / "ckpt"), "--input", str(text), "--json", "--seq-length", "64"])
+        == 0
+    )
+    got = json.loads(capsys.readouterr().out)
+    _, _, tok = load_for_inference(tmp_path / "ckpt")
+    ids = tok.encode(parity.PARAGRAPH).ids
+    total = 0.0
+    with torch.no_grad():
+        for s in range(0, len(ids) - 1, 64):
+            w = torch.tensor([ids[s : s + 65]])
+            total += torch.nn.functional.cross_entropy(reference(w[:, :-1]).logits[0], w[0, 1:], reduction="sum").item()
+    assert got["tokens"] == len(ids) - 1
+    assert abs(got["loss"] - total / (len(ids) - 1)) < 1e-4
+    assert main(["eval", "--checkpoint", str(tmp_path / "ckpt"), "--input", str(tmp_path / "none.txt")]) == 2

@@ -400,3 +400,65 @@ def test_smollm2_greedy_chat_equals_transformers_generate(smollm2, smollm2_check
         out = hf.generate(ids, max_new_tokens=24, do_sample=False)
     theirs = tok.decode(out[0, ids.shape[1] :], skip_special_tokens=True).strip()
     assert ours == theirs and "Paris" in ours, (ours, theirs)
+
+
+def test_smollm2_lora_sft_learns_and_its_adapter_matches_peft(smollm2, smollm2_checkpoint, tmp_path):
+    """LoRA fine-tune of the real model on instruction data made from the shipped plays (scripts/shakespeare_sft.py):
+    the validation loss falls; the exported adapter on transformers' model (via peft) and the merged export give
+    meshformer's logits."""
+    import subprocess
+    import sys
+
+    from meshformer.checkpoint.inference import load_for_inference
+    from meshformer.cli.main import main
+    from meshformer.config import load_config
+    from meshformer.train.trainer import Trainer
+
+    peft = pytest.importorskip("peft")
+    root = Path(__file__).resolve().parents[1]
+    jsonl = tmp_path / "sft.jsonl"
+    subprocess.run([sys.executable, str(root / "scripts/shakespeare_sft.py"), "--output", str(jsonl)], check=True)
+    data = tmp_path / "data"
+    argv = ["preprocess", "--input", str(jsonl), "--tokenizer", str(smollm2_checkpoint), "--output", str(data)]
+    assert main([*argv, "--seq-length", "128", "--val-fraction", "0.05"]) == 0
+    overrides = {
+        "load_checkpoint": smollm2_checkpoint,
+        "output_dir": tmp_path / "run",
+        "train_dataset.data_loader.dataset_dir": data,
+        "model.model_config.seq_length": 128,
+        "train_dataset.batch_size": 4,
+        "runner_config.stop_step": 16,
+        "model.model_config.pet_method": "lora",
+        "optimizer.learning_rate": 2e-3,
+        "optimizer.warmup_steps": 2,
+        "eval_config.eval_iters": 3,
+        "do_eval": True,
+        "monitor_config.progress_bar": "plain",
+    }
+    args = [x for k, v in overrides.items() for x in (f"--{k}", str(v))]
+    trainer = Trainer(load_config(smollm2_checkpoint / "config.yaml", args))
+    try:
+        before = trainer.evaluate()
+        trainer.train()
+        after = trainer.evaluate()
+    finally:
+        trainer.saver.close()
+        trainer.run_dir.unlock()
+    print(f"SmolLM2 LoRA SFT: validation loss {before:.4f} -> {after:.4f}")
+    assert after < before - 0.05
+
+    assert main(["export", str(tmp_path / "run"), "--output", str(tmp_path / "adapter")]) == 0
+    assert main(["export", str(tmp_path / "run"), "--output", str(tmp_path / "merged"), "--merge-lora"]) == 0
+    ours, _, tok = load_for_inference(tmp_path / "run")
+    ids = torch.tensor([tok.encode("Which play is this speech from? To be, or not to be.").ids])
+    path, _, _ = smollm2
+    import transformers
+
+    base = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = ours(ids)
+        adapted = peft.PeftModel.from_pretrained(base.eval(), tmp_path / "adapter").eval()
+        tol = max(1e-4, 1e-5 * want.abs().max().item())  # --verify's rule (checkpoint/parity.py) for a deep model
+        assert (adapted(ids).logits - want).abs().max() <= tol
+        assert (merged(ids).logits - want).abs().max() <= tol

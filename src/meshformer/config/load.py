@@ -175,6 +175,9 @@ def load_config(
         apply_override(data, key, value)
     cfg = from_dict(MeshformerConfig, data, (), notices if notices is not None else [])
     _apply_family_defaults(cfg, data)
+    # Which model fields the file or the command line set (run_mode: finetune fills the others from the base model).
+    given = ((data.get("model") or {}).get("model_config") or {}) if isinstance(data.get("model"), dict) else {}
+    cfg.given_model_fields = frozenset(given)
     from meshformer.config.validate import validate_config
 
     validate_config(cfg)

@@ -79,8 +79,9 @@ def validate_run(cfg: MeshformerConfig, world_size: int | None) -> None:
         )
     if cfg.run_mode == "eval":
         raise UserError(
-            "run_mode=eval is not available yet: evaluate during training with eval_config.eval_interval and "
-            "do_eval: true, or set run_mode: train"
+            "run_mode=eval: training configs train; to evaluate a checkpoint on text run "
+            "`meshformer eval --checkpoint DIR --input FILE`, or evaluate during training with "
+            "eval_config.eval_interval and do_eval: true"
         )
     if mc.compute_dtype == "float16":
         raise UserError(

@@ -31,6 +31,7 @@ from meshformer.parallel import ModelParts, ParallelEnv, init_parallel
 from meshformer.parallel.dims import ParallelDims
 from meshformer.planner.fits import check_fits
 from meshformer.train import metrics as M
+from meshformer.train.finetune import apply_finetune_base
 from meshformer.train.optim import Optimizers, Schedule
 from meshformer.train.preemption import StopRequests, stop_signals_held
 from meshformer.train.progress import Progress
@@ -459,6 +460,7 @@ class Trainer:
 
 def run_training(cfg: MeshformerConfig, notices: list[str] | None = None) -> dict:
     """Train; a collective that fails because a rank died or hung ends the run naming that rank (RunFailed)."""
+    notices = [*(notices or []), *apply_finetune_base(cfg)]
     env = init_parallel(cfg)
     trainer, ok = None, False
     try:

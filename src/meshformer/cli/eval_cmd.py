@@ -1,0 +1,58 @@
+"""`meshformer eval --checkpoint DIR --input FILE [--json]`: mean token loss and perplexity of a text file.
+
+The text is tokenized with the checkpoint's tokenizer and cut into windows of seq_length + 1 tokens (the last
+one shorter); every token after the first of a window is predicted from the ones before it in that window.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from meshformer.errors import UserError
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser(
+        "eval", help="loss and perplexity of a checkpoint on a text file", description=__doc__.split("\n\n")[0]
+    )
+    p.add_argument("--checkpoint", required=True, metavar="DIR", help="a checkpoint or a run's output_dir")
+    p.add_argument("--input", required=True, metavar="FILE", help="a UTF-8 text file")
+    p.add_argument("--seq-length", type=int, default=None, metavar="N", help="window length (default: the model's)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    import torch
+    import torch.nn.functional as F
+
+    from meshformer.checkpoint.inference import load_for_inference
+
+    src = Path(args.input)
+    if not src.is_file():
+        raise UserError(f"--input {src}: no such file")
+    try:
+        text = src.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise UserError(f"--input {src}: not UTF-8 text") from None
+    model, cfg, tok = load_for_inference(args.checkpoint)
+    seq = args.seq_length or cfg.model.model_config.seq_length
+    if seq < 1:
+        raise UserError(f"--seq-length {seq}: give at least 1")
+    ids = tok.encode(text).ids
+    if len(ids) < 2:
+        raise UserError(f"--input {src}: fewer than two tokens of text: nothing to predict")
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for start in range(0, len(ids) - 1, seq):
+            window = torch.tensor([ids[start : start + seq + 1]])
+            logits = model(window[:, :-1])
+            total += F.cross_entropy(logits[0].float(), window[0, 1:], reduction="sum").item()
+            count += window.shape[1] - 1
+    loss = total / count
+    result = {"checkpoint": str(args.checkpoint), "input": str(src), "tokens": count, "loss": loss}
+    result["perplexity"] = math.exp(loss)
+    print(json.dumps(result) if args.json else f"{count} tokens: loss {loss:.4f}, perplexity {math.exp(loss):.3f}")
+    return 0

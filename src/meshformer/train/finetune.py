@@ -1,0 +1,90 @@
+"""`run_mode: finetune`: the model is the one `load_checkpoint` names, so a fine-tuning YAML needs no architecture.
+
+The base model's `model_config` (a meshformer checkpoint's config.yaml, or a Hugging Face directory's
+config.json) fills every shape field the run's config leaves out; a shape field the config does give must agree,
+or one line says which differs. What belongs to the run stays the run's own: seq_length, dtypes, pet_config,
+init and token-id settings. Only the weights come along (not the optimizer state or the step).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+
+from meshformer.config.load import from_dict
+from meshformer.config.schema import MeshformerConfig, ModelConfig, RopeScalingConfig
+from meshformer.errors import UserError
+
+SHAPE_FIELDS = (
+    "type",
+    "hidden_size",
+    "num_layers",
+    "num_heads",
+    "n_kv_heads",
+    "head_dim",
+    "intermediate_size",
+    "vocab_size",
+    "rms_norm_eps",
+    "theta",
+    "rope_scaling",
+    "tie_word_embeddings",
+    "qkv_has_bias",
+    "use_qk_norm",
+    "max_position_embedding",
+)
+
+
+def base_model_config(src: str) -> ModelConfig:
+    from meshformer.checkpoint.hf_config import model_config_from_hf
+    from meshformer.checkpoint.hf_dir import _read_json, is_hf_dir
+    from meshformer.checkpoint.store import resolve_checkpoint
+
+    p = Path(src)
+    if is_hf_dir(p):
+        fields = model_config_from_hf(_read_json(p / "config.json"), f"{p}/config.json")
+    else:
+        ckpt = resolve_checkpoint(p)
+        try:
+            data = yaml.safe_load((ckpt / "config.yaml").read_text())
+            fields = data["model"]["model_config"]
+        except (OSError, yaml.YAMLError, KeyError, TypeError):
+            raise UserError(f"load_checkpoint={src!r}: {ckpt}/config.yaml has no model.model_config") from None
+    return from_dict(ModelConfig, fields, ("model", "model_config"), [])
+
+
+def apply_finetune_base(cfg: MeshformerConfig) -> list[str]:
+    """Fill the model shape from load_checkpoint (run_mode: finetune); returns notices naming what was taken."""
+    if cfg.run_mode != "finetune":
+        return []
+    if not cfg.load_checkpoint:
+        raise UserError("run_mode: finetune needs load_checkpoint (a checkpoint, run directory or Hugging Face model)")
+    base = base_model_config(cfg.load_checkpoint)
+    mc = cfg.model.model_config
+    given = getattr(cfg, "given_model_fields", frozenset())
+    taken = []
+    for name in SHAPE_FIELDS:
+        theirs = getattr(base, name)
+        if name in given:
+            ours = getattr(mc, name)
+            same = vars(ours) == vars(theirs) if isinstance(ours, RopeScalingConfig) else ours == theirs
+            if not same:
+                raise UserError(
+                    f"model.model_config.{name}={_show(ours)} but the model in load_checkpoint has {_show(theirs)}: "
+                    f"remove the field (run_mode: finetune takes the model's own) or fine-tune another model"
+                )
+        else:
+            setattr(mc, name, theirs)
+            taken.append(name)
+    return (
+        [
+            f"run_mode finetune: model shape from {cfg.load_checkpoint} ({mc.type}, {mc.num_layers} layers, hidden "
+            f"{mc.hidden_size}, vocab {mc.vocab_size})"
+        ]
+        if taken
+        else []
+    )
+
+
+def _show(v) -> str:
+    return str(vars(v)) if isinstance(v, RopeScalingConfig) else repr(v)
