@@ -124,7 +124,15 @@ def write_import(source: SourceModel, output: str | Path) -> tuple[Path, Meshfor
 
 
 def _tokenizer_config(ckpt: Path, tokenizer) -> dict:
-    """The checkpoint's tokenizer_config.json, or one made for meshformer's own tokenizers."""
+    """The checkpoint's tokenizer_config.json with the chat template its training data was rendered with, or one
+    made for meshformer's own tokenizers."""
+    config = _saved_tokenizer_config(ckpt, tokenizer)
+    if (ckpt / "chat_template.jinja").is_file():  # what training saw is what serving must use
+        config["chat_template"] = (ckpt / "chat_template.jinja").read_text(encoding="utf-8")
+    return config
+
+
+def _saved_tokenizer_config(ckpt: Path, tokenizer) -> dict:
     f = ckpt / "tokenizer_config.json"
     if f.is_file():
         saved = json.loads(f.read_text(encoding="utf-8"))

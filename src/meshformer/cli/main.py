@@ -13,7 +13,19 @@ import sys
 from meshformer.errors import RunFailed, UserError
 
 # Sub-command modules, in the order `meshformer --help` lists them.
-COMMANDS = ("train", "launch", "selfcheck", "preprocess", "tokenizer", "generate", "eval", "convert", "ckpt", "config")
+COMMANDS = (
+    "train",
+    "launch",
+    "selfcheck",
+    "preprocess",
+    "tokenizer",
+    "generate",
+    "eval",
+    "convert",
+    "template",
+    "ckpt",
+    "config",
+)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -154,10 +154,10 @@ def preprocess_sft(
     dtype = np.dtype("<u2") if vocab <= 1 << 16 else np.dtype("<u4")
     every = round(1 / val_fraction) if val_fraction > 0 else 0
 
-    splits = {s: {"ids": [], "masks": []} for s in ("train", "validation")}
+    splits = {s: {"ids": [], "masks": [], "lines": []} for s in ("train", "validation")}
     report = {"samples": 0, "truncated": 0, "dropped": 0, "tokens": 0, "target_tokens": 0, "by_role": {}}
     example = None
-    for path in paths:
+    for file_index, path in enumerate(paths):
         for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
             if not line.strip():
                 continue
@@ -182,6 +182,7 @@ def preprocess_sft(
             split = "validation" if every and report["samples"] % every == every - 1 else "train"
             splits[split]["ids"].append(ids)
             splits[split]["masks"].append(mask)
+            splits[split]["lines"].append([file_index, n])  # where it came from (`template check --data`)
             report["samples"] += 1
             report["tokens"] += len(ids)
             report["target_tokens"] += int(mask.sum())
@@ -209,6 +210,10 @@ def preprocess_sft(
             "train_on_prompt": train_on_prompt,
             "splits": meta_splits,
             "report": report,
+            "format_detected": fmt,
+            "template_name": template,
+            "overlong": overlong,
+            "validation_lines": splits["validation"]["lines"],
         }
         meta = publish_with_meta(tmp, out, meta, paths, overwrite, keep)
     finally:

@@ -101,6 +101,12 @@ class Trainer:
         if not tok.is_file():
             raise UserError(f"{field}: {tok} is missing: re-run `meshformer preprocess`")
         self.tokenizer_bytes = tok.read_bytes()
+        # Saved with every checkpoint, so `export` hands on the special tokens and the template the data was made with.
+        self.tokenizer_side_files = {
+            name: (self.train_ds.dir / name).read_bytes()
+            for name in ("tokenizer_config.json", "chat_template.jinja")
+            if (self.train_ds.dir / name).is_file()
+        }
         self.tokenizer_hash = tokenizer_hash(tok)
         self.train_ds.check_tokenizer(self.tokenizer_hash, self.mc.vocab_size, field)
         ev = cfg.eval_dataset
@@ -446,6 +452,7 @@ class Trainer:
         files = {
             "config.yaml": yaml.safe_dump(to_dict(self.cfg), sort_keys=False).encode(),
             "tokenizer.json": self.tokenizer_bytes,
+            **self.tokenizer_side_files,
         }
         self.saver.save(path, self.parts.parts, self.optimizer.items, state, files)
 
