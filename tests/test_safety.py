@@ -228,7 +228,7 @@ def test_a_run_that_dies_before_saving_leaves_the_replaced_run_intact(tiny_datas
     out = tmp_path / "run"
     run(tiny_dataset, out, **{"runner_config.stop_step": 2})
     before = checksums(out)
-    monkeypatch.setattr(Trainer, "save", lambda self, step: (_ for _ in ()).throw(KeyboardInterrupt()))
+    monkeypatch.setattr(Trainer, "save", lambda self, step, best=False: (_ for _ in ()).throw(KeyboardInterrupt()))
     with pytest.raises(KeyboardInterrupt):
         run(tiny_dataset, out, **{"runner_config.stop_step": 2, "overwrite_output_dir": True})
     monkeypatch.undo()

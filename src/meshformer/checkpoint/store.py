@@ -259,6 +259,9 @@ def prune_checkpoints(output_dir: str | Path, keep: int) -> list[Path]:
     finite = [p for p in complete if saved_finite(p)]
     if finite:
         keep_set.add(finite[-1])
+    best = [p for p in complete if _state_flag(p, "best", False)]
+    if best:  # early stopping's best checkpoint (train/early_stop.py)
+        keep_set.add(best[-1])
     gone = [p for p in complete if p not in keep_set]
     for p in gone:
         shutil.rmtree(p, ignore_errors=True)
@@ -266,7 +269,12 @@ def prune_checkpoints(output_dir: str | Path, keep: int) -> list[Path]:
 
 
 def saved_finite(path: Path) -> bool:
+    return _state_flag(path, "finite", True)
+
+
+def _state_flag(path: Path, key: str, default: bool) -> bool:
+    """A boolean of a checkpoint's trainer_state.json (False when it is unreadable)."""
     try:
-        return bool(json.loads((path / "trainer_state.json").read_text()).get("finite", True))
+        return bool(json.loads((path / "trainer_state.json").read_text()).get(key, default))
     except (OSError, ValueError, AttributeError):
         return False

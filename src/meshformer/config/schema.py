@@ -58,6 +58,8 @@ class PetConfig:
         ".*q_proj|.*k_proj|.*v_proj|.*o_proj",
         "Linears to adapt: a regex over module paths (MindSpore's wq wk wv wo w1 w2 w3 work) or a list of names.",
     )
+    freeze_include: list = setting([], "Freeze parameters whose names match these globs, e.g. ['embed_tokens.*'].")
+    freeze_exclude: list = setting([], "...except those matching these globs (they stay trainable).")
 
 
 @dataclass
@@ -287,6 +289,11 @@ class RunnerConfig:
         "After SIGTERM/SIGUSR1/SIGINT the run saves at the next step boundary and exits 0; past this many seconds "
         "it exits at once.",
         gt=0,
+    )
+    early_stopping_patience: int = setting(
+        0,
+        "Stop after this many evaluations without a better validation loss, keeping the best checkpoint (0: off).",
+        ge=0,
     )
     sink_mode: bool = setting(True, "MindSpore graph sinking (accepted, no effect).")
     sink_size: int = setting(1, "MindSpore sink size (accepted, no effect).")

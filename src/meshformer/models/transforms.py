@@ -34,7 +34,33 @@ class ModelTransform:
 def _transforms() -> tuple[ModelTransform, ...]:
     from meshformer.models.lora import apply_lora, lora_wanted
 
-    return (ModelTransform("lora", lora_wanted, apply_lora),)
+    return (
+        ModelTransform("lora", lora_wanted, apply_lora),
+        ModelTransform("freeze", lambda cfg: bool(cfg.model.model_config.pet_config.freeze_include), apply_freeze),
+    )
+
+
+def apply_freeze(model: nn.Module, cfg: MeshformerConfig) -> None:
+    """requires_grad False for parameters matching freeze_include but not freeze_exclude (fnmatch globs)."""
+    import fnmatch
+
+    from meshformer.errors import UserError
+
+    pc = cfg.model.model_config.pet_config
+    frozen = 0
+    for name, p in model.named_parameters():
+        if any(fnmatch.fnmatchcase(name, g) for g in pc.freeze_include) and not any(
+            fnmatch.fnmatchcase(name, g) for g in pc.freeze_exclude
+        ):
+            p.requires_grad_(False)
+            frozen += 1
+    if not frozen:
+        raise UserError(
+            f"model.model_config.pet_config.freeze_include={pc.freeze_include}: matches no parameter (names look "
+            f"like layers.0.self_attn.q_proj.weight, embed_tokens.weight)"
+        )
+    if not any(p.requires_grad for p in model.parameters()):
+        raise UserError("model.model_config.pet_config: freeze_include freezes every parameter: nothing would train")
 
 
 # The registry, in application order. Transforms join as their features land (freezing, MoE, fused

@@ -31,6 +31,7 @@ from meshformer.parallel import ModelParts, ParallelEnv, init_parallel
 from meshformer.parallel.dims import ParallelDims
 from meshformer.planner.fits import check_fits
 from meshformer.train import metrics as M
+from meshformer.train.early_stop import EarlyStopping
 from meshformer.train.finetune import apply_finetune_base
 from meshformer.train.optim import Optimizers, Schedule
 from meshformer.train.preemption import StopRequests, stop_signals_held
@@ -166,6 +167,7 @@ class Trainer:
         self.rollbacks = 0
         self.skipped_steps = 0  # optimizer steps skipped for a non-finite loss or gradient norm, whole run
         self.last_finite = True
+        self.early = EarlyStopping(cfg.runner_config.early_stopping_patience)
         if self.resume_from is not None:
             self._restore(self.resume_from)
         elif cfg.load_checkpoint:
@@ -221,6 +223,7 @@ class Trainer:
         self.skipped_steps = int(state.get("skipped_steps", 0))
         self.data_offset = int(state.get("data_offset", 0))
         self.rollbacks = int(state.get("rollbacks", 0))
+        self.early = EarlyStopping(self.cfg.runner_config.early_stopping_patience, state)
         self.console.log(f"resumed from {ckpt} at step {self.start_step}")
 
     # ---- the loop -----------------------------------------------------------------------------------------
@@ -248,6 +251,7 @@ class Trainer:
         skips_in_a_row = 0
         self.parts.train()
         end = self.total_steps
+        new_best = False
         with StopRequests(cfg.runner_config.preemption_grace_seconds, self.console.log) as stop:
             self.console.start(self.total_steps, self.start_step)
             spikes = SpikeDetector(cfg.runner_wrapper.loss_spike_factor)
@@ -304,8 +308,10 @@ class Trainer:
                     "skipped_steps": self.skipped_steps,
                     "rollbacks": self.rollbacks,
                 }
+                new_best = False  # this step's evaluation is the best so far (early stopping keeps its checkpoint)
                 if self.eval_ds is not None and self._eval_due(done):
                     rec["eval_loss"] = self.evaluate()
+                    new_best = self.early.update(rec["eval_loss"]) and self.early.enabled
                 if result.skipped:
                     self.console.log(
                         f"step {done}: loss {loss} / grad norm {grad_norm} is not finite: optimizer step skipped "
@@ -326,8 +332,16 @@ class Trainer:
                 self.console.step(done, rec, print_now=(done % print_every == 0 or done == self.total_steps))
                 env.at_step(done)
                 self.saver.poll()  # completes a background save once every rank has written it
-                if ckpt_cb is not None and done % ckpt_cb.save_checkpoint_steps == 0 and done < self.total_steps:
-                    self.save(done)
+                every = ckpt_cb is not None and done % ckpt_cb.save_checkpoint_steps == 0
+                if (every or new_best) and done < self.total_steps:
+                    self.save(done, best=new_best)
+                if self.early.should_stop:
+                    end = done
+                    self.console.log(
+                        f"early stopping after step {done}: no better validation loss in {self.early.patience} "
+                        f"evaluations (best {self.early.best:.4f}, kept in the checkpoint marked best)"
+                    )
+                    break
                 if stop.agreed(env):  # a rank was signalled (preemption): everyone saves and returns
                     end = done
                     self.console.log(f"{stop.received}: stopping after step {done}; resume with resume_training")
@@ -340,7 +354,7 @@ class Trainer:
                     f"(step {last['step']}); metrics in {self.out / 'metrics.jsonl'}"
                 )
             if self._saved_at != end and (end > self.start_step or not store.list_checkpoints(self.out)):
-                self.save(end)
+                self.save(end, best=end > self.start_step and new_best)
             self.saver.wait()
         return last
 
@@ -432,7 +446,7 @@ class Trainer:
             on_saved=lambda path: self._saved(path, keep),
         )
 
-    def save(self, step: int) -> None:
+    def save(self, step: int, best: bool = False) -> None:
         """Save at `step` (complete on return, or pending in the background with async_save)."""
         env = self.env
         self._saved_at = step
@@ -448,6 +462,8 @@ class Trainer:
             "data_offset": self.data_offset,
             "rollbacks": self.rollbacks,
             "finite": self.last_finite,  # pruning never drops the newest finite checkpoint for non-finite ones
+            "best": best,  # early stopping: pruning keeps the newest checkpoint marked best
+            **self.early.state(),
         }
         files = {
             "config.yaml": yaml.safe_dump(to_dict(self.cfg), sort_keys=False).encode(),
