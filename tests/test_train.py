@@ -138,7 +138,7 @@ def test_seven_b_config_is_the_seed_layout_and_batch():
     from conftest import ROOT
     from meshformer.config import validate_layout
     from meshformer.parallel.dims import ParallelDims
-    from meshformer.train.trainer import BatchPlan
+    from meshformer.train.batch_plan import BatchPlan
 
     cfg = load_config(ROOT / "configs" / "llama2_7b_pretrain_8card.yaml")
     validate_layout(cfg, 8)

@@ -32,6 +32,9 @@ STALE_S = 4.0  # a heartbeat that has not moved for this long belongs to a dead 
 STORE_TIMEOUT_S = 10.0
 
 
+_ACTIVE: Peers | None = None  # this process's heartbeat (see Peers.connect)
+
+
 class Peers:
     """Heartbeats and failure reports of every rank of one attempt, kept in the launcher's store."""
 
@@ -47,7 +50,18 @@ class Peers:
 
     @classmethod
     def connect(cls, rank: int, world: int) -> Peers | None:
-        """Peers over a fresh client of the launcher's store (MASTER_ADDR/MASTER_PORT), or None without one."""
+        """This process's Peers (one per process, like its process group: tests build many layouts on one), over
+        its own client of the launcher's store (MASTER_ADDR/MASTER_PORT); None without a launcher store."""
+        global _ACTIVE
+        if _ACTIVE is not None and (_ACTIVE.rank, _ACTIVE.world) == (rank, world):
+            return _ACTIVE
+        if _ACTIVE is not None:
+            _ACTIVE.close()
+        _ACTIVE = cls._connect(rank, world)
+        return _ACTIVE
+
+    @classmethod
+    def _connect(cls, rank: int, world: int) -> Peers | None:
         addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
         if not addr or not port or world < 2:
             return None
@@ -60,7 +74,14 @@ class Peers:
         return cls(dist.PrefixStore(f"meshformer/peers/{run}/{attempt}/", store), rank, world)
 
     def close(self) -> None:
+        """Stop the heartbeat and wait for its thread: a thread still inside a store call when the interpreter
+        exits ends the process with "terminate called without an active exception"."""
+        global _ACTIVE
         self._stop.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout=STORE_TIMEOUT_S)
+        if _ACTIVE is self:
+            _ACTIVE = None
 
     def _beat(self) -> None:
         self.store.set(f"beat/{self.rank}", f"{time.monotonic_ns()} {self.step}")

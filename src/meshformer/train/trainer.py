@@ -9,15 +9,12 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import yaml
 
 from meshformer.checkpoint import store
-from meshformer.checkpoint.convert import hf_weights_for
-from meshformer.checkpoint.hf_dir import is_hf_dir
 from meshformer.checkpoint.saver import CheckpointSaver
 from meshformer.config.load import to_dict
 from meshformer.config.schema import MeshformerConfig
@@ -26,41 +23,19 @@ from meshformer.data.tokenizer import tokenizer_hash
 from meshformer.dtypes import DTYPE
 from meshformer.errors import RunFailed, UserError
 from meshformer.models import num_params
-from meshformer.models.lora import base_name, lora_wanted
 from meshformer.parallel import ModelParts, ParallelEnv, init_parallel
-from meshformer.parallel.dims import ParallelDims
 from meshformer.planner.fits import check_fits
 from meshformer.train import metrics as M
+from meshformer.train.batch_plan import BatchPlan
 from meshformer.train.early_stop import EarlyStopping
 from meshformer.train.finetune import apply_finetune_base
+from meshformer.train.loading import check_tokenizer, load_base_weights
 from meshformer.train.optim import Optimizers, Schedule
 from meshformer.train.preemption import StopRequests, stop_signals_held
 from meshformer.train.progress import Progress
 from meshformer.train.run_dir import RunDir, on_rank0
 from meshformer.train.spikes import MAX_ROLLBACKS, SpikeDetector
 from meshformer.train.step import build_parts, clip_threshold, evaluate, train_step
-
-
-@dataclass
-class BatchPlan:
-    micro_batch: int  # samples per forward pass
-    n_micro: int  # forward passes per optimizer step on each rank (accumulation x pipeline micro-batches)
-    global_batch: int  # samples per optimizer step, all ranks together
-
-    @classmethod
-    def from_config(cls, cfg: MeshformerConfig, dims: ParallelDims) -> "BatchPlan":
-        pc = cfg.parallel_config
-        mb = cfg.train_dataset.batch_size or cfg.runner_config.batch_size or 1
-        n_micro = cfg.runner_config.gradient_accumulation_steps * (pc.micro_batch_num if pc.pipeline_stage > 1 else 1)
-        return cls(mb, n_micro, mb * n_micro * dims.dp)
-
-    def describe(self, cfg: MeshformerConfig, dims: ParallelDims) -> str:
-        pc = cfg.parallel_config
-        pp = f" x micro_batch_num {pc.micro_batch_num}" if pc.pipeline_stage > 1 else ""
-        return (
-            f"global batch {self.global_batch} = micro batch {self.micro_batch} x data_parallel {dims.dp} "
-            f"x gradient_accumulation {cfg.runner_config.gradient_accumulation_steps}{pp}"
-        )
 
 
 class Trainer:
@@ -174,33 +149,13 @@ class Trainer:
             self._load_base_weights(Path(cfg.load_checkpoint))
 
     def _load_base_weights(self, src: Path) -> None:
-        """`load_checkpoint`: weights only, from a checkpoint, a run directory or a Hugging Face directory. A LoRA
-        model takes them into its base layers (`base_name`); its adapters keep their fresh initialisation."""
-        lora = lora_wanted(self.cfg)
-        rename = base_name if lora else None
-        expected = self.expected_shapes
-        if lora:
-            expected = {base_name(k): v for k, v in expected.items() if base_name(k) is not None}
-        if is_hf_dir(src):
-            self._check_ckpt_tokenizer(src)
-            tensors = hf_weights_for(src, expected, "load_checkpoint")
-            if lora:
-                tensors = {k: tensors[base_name(k)] for k in self.expected_shapes if base_name(k) is not None}
-            store.load_full_weights(self.parts.parts, tensors)
-            self.console.log(f"loaded weights from the Hugging Face model {src}")
-            return
-        ckpt = self.run_dir.resolve(src)
-        self._check_ckpt_tokenizer(ckpt)
-        store.load_model_weights(ckpt, self.parts.parts, expected, rename)
-        self.console.log(f"loaded weights from {ckpt}")
+        where = load_base_weights(
+            src, self.cfg, self.parts.parts, self.expected_shapes, self.tokenizer_hash, self.run_dir
+        )
+        self.console.log(f"loaded weights from {where}")
 
     def _check_ckpt_tokenizer(self, ckpt: Path) -> None:
-        tok = ckpt / "tokenizer.json"
-        if tok.is_file() and tokenizer_hash(tok) != self.tokenizer_hash:
-            raise UserError(
-                f"load_checkpoint={str(ckpt)!r} was trained with a different tokenizer than "
-                f"train_dataset's: preprocess the data with the checkpoint's tokenizer.json"
-            )
+        check_tokenizer(ckpt, self.tokenizer_hash)
 
     def _restore(self, ckpt: Path) -> None:
         state = store.read_trainer_state(ckpt)
