@@ -231,14 +231,7 @@ def preprocess(
     """
     t0 = time.perf_counter()
     console = console or Console()
-    if not 0.0 <= val_fraction < 1.0:  # also rejects NaN
-        raise UserError(f"--val-fraction={val_fraction}: must be in [0, 1), e.g. 0.02")
-    paths = resolve_inputs(inputs)
-    out = Path(output)
-    keep = (*paths, Path(tokenizer))
-    _check_output(out, overwrite, keep)
-    for p in clean_stale_temps(out):
-        console.print(f"removed {escape(str(p))}, left by a preprocess run that was killed", soft_wrap=True)
+    paths, out, keep = prepare_output(inputs, tokenizer, output, val_fraction, overwrite, console)
     tok, tok_file, tok_bytes = _open_tokenizer(tokenizer)
     ids, vocab = special_token_ids(tok, tokenizer), vocab_size(tok)
     dtype = np.dtype("<u2") if vocab <= 1 << 16 else np.dtype("<u4")
@@ -282,6 +275,20 @@ def preprocess(
     summary = {**meta, "output": str(out), "seconds": round(time.perf_counter() - t0, 3)}
     _print_summary(console, summary, tok_file)
     return summary
+
+
+def prepare_output(inputs, tokenizer, output, val_fraction: float, overwrite: bool, console) -> tuple:
+    """(input paths, output dir, paths --overwrite must never delete), after the checks every preprocess run makes:
+    the validation share, the inputs, the output (new, or a dataset this command wrote), leftovers of killed runs."""
+    if not 0.0 <= val_fraction < 1.0:  # also rejects NaN
+        raise UserError(f"--val-fraction={val_fraction}: must be in [0, 1), e.g. 0.02")
+    paths = resolve_inputs(inputs)
+    out = Path(output)
+    keep = (*paths, Path(tokenizer))
+    _check_output(out, overwrite, keep)
+    for p in clean_stale_temps(out):
+        console.print(f"removed {escape(str(p))}, left by a preprocess run that was killed", soft_wrap=True)
+    return paths, out, keep
 
 
 def _open_tokenizer(tokenizer: str | Path):

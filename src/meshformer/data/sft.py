@@ -32,8 +32,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from meshformer.data.chat import load_chat_template, render_chat, template_tokens
-from meshformer.data.documents import resolve_inputs
-from meshformer.data.preprocess import _check_output, clean_stale_temps, publish_with_meta
+from meshformer.data.preprocess import prepare_output, publish_with_meta
 from meshformer.data.tokenizer import load_tokenizer, special_token_ids, vocab_size
 from meshformer.errors import UserError
 
@@ -131,16 +130,9 @@ def preprocess_sft(
 ) -> dict:
     t0 = time.perf_counter()
     console = console or Console()
-    if not 0.0 <= val_fraction < 1.0:
-        raise UserError(f"--val-fraction={val_fraction}: must be in [0, 1), e.g. 0.05")
     if fmt is not None and fmt not in FORMATS:
         raise UserError(f"--format {fmt!r}: one of {', '.join(FORMATS)}")
-    paths = resolve_inputs(inputs)
-    out = Path(output)
-    keep = (*paths, Path(tokenizer))
-    _check_output(out, overwrite, keep)
-    for p in clean_stale_temps(out):
-        console.print(f"removed {escape(str(p))}, left by a preprocess run that was killed", soft_wrap=True)
+    paths, out, keep = prepare_output(inputs, tokenizer, output, val_fraction, overwrite, console)
     tok_dir = Path(tokenizer) if Path(tokenizer).is_dir() else Path(tokenizer).parent
     tok = load_tokenizer(tokenizer)
     tok.no_padding()
