@@ -10,7 +10,7 @@ import torch
 
 from meshformer.config.schema import MeshformerConfig, ModelConfig
 from meshformer.models import create_model
-from meshformer.models.generate import generate, next_token, top_k_filter, top_p_filter
+from meshformer.models.generate import generate, generate_batch, next_token, top_k_filter, top_p_filter
 
 VOCAB = 100
 
@@ -46,6 +46,24 @@ def test_greedy_with_cache_equals_uncached_reference(model):
     assert len(set(ref)) > 3  # a non-degenerate continuation
     assert generate(model, PROMPT, 14, greedy=True) == ref
     assert generate(model, torch.tensor(PROMPT), 14, temperature=0) == ref  # tensor prompt; T=0 is greedy
+
+
+def test_a_left_padded_batch_gives_each_prompt_its_own_continuation(model):
+    """Prompts of 1, 5 and 9 tokens together: each row continues exactly as its prompt alone (the padding is masked
+    and positions start at each prompt), past seq_length too; a row that hits EOS stops while the others go on."""
+    prompts = [[7], PROMPT, [3, 1, 4, 1, 5, 9, 2, 6, 5]]
+    alone = [greedy_reference(model, p, 10) for p in prompts]
+    assert generate_batch(model, prompts, 10, greedy=True) == alone
+    eos = alone[1][2]
+    want = [a[: a.index(eos) + 1] if eos in a else a for a in alone]
+    assert generate_batch(model, prompts, 10, greedy=True, eos_id=eos) == want
+    # Logits, not just argmaxes: the padded prefill equals the prompt run alone.
+    cache = model.new_kv_cache(2, 12)
+    batch = torch.tensor([[7, 7, 7, 7] + [7], PROMPT])
+    docs = torch.tensor([[0, 0, 0, 0, 1], [1] * 5])
+    with torch.no_grad():
+        got = model(batch, cache, docs)[0, -1]
+        assert (got - model(torch.tensor([[7]]))[0, -1]).abs().max() < 1e-5
 
 
 def test_stops_at_eos_and_includes_it(model):
@@ -200,6 +218,26 @@ def test_cli_prints_prompt_and_greedy_completion(fake_checkpoint, model, capsys)
     out = capsys.readouterr().out.strip()
     want = greedy_reference(model, PROMPT, 6)
     assert out == "w5 w17 w42 w3 w99 " + " ".join(f"w{t}" for t in want)
+
+
+def test_cli_runs_several_prompts_as_one_batch(fake_checkpoint, model, tmp_path, capsys):
+    import json
+
+    from meshformer.cli.main import main
+
+    path, _ = fake_checkpoint
+    more = tmp_path / "prompts.txt"
+    more.write_text("w3 w1 w4 w1 w5 w9 w2\n\nw8\n")
+    argv = ["generate", "--checkpoint", str(path), "--prompt", "w5 w17 w42 w3 w99", "--prompts-file", str(more)]
+    assert main([*argv, "--greedy", "--max-new-tokens", "6", "--json"]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.strip().splitlines()]
+    prompts = [PROMPT, [3, 1, 4, 1, 5, 9, 2], [8]]
+    assert [r["prompt"] for r in rows] == ["w5 w17 w42 w3 w99", "w3 w1 w4 w1 w5 w9 w2", "w8"]
+    for row, prompt in zip(rows, prompts):
+        want = " " + " ".join(f"w{t}" for t in greedy_reference(model, prompt, 6))
+        assert row["completion"] == want and row["tokens"] == 6
+    assert main(["generate", "--checkpoint", str(path), "--prompts-file", str(tmp_path / "none.txt")]) == 2
+    assert "--prompts-file" in capsys.readouterr().err
 
 
 def test_cli_seeded_sampling_is_reproducible(fake_checkpoint, capsys):

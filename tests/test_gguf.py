@@ -7,6 +7,7 @@ control; the real model checks everything end to end against `transformers`' own
 from __future__ import annotations
 
 import importlib.metadata
+import json
 import math
 from pathlib import Path
 
@@ -400,6 +401,12 @@ def test_smollm2_greedy_chat_equals_transformers_generate(smollm2, smollm2_check
         out = hf.generate(ids, max_new_tokens=24, do_sample=False)
     theirs = tok.decode(out[0, ids.shape[1] :], skip_special_tokens=True).strip()
     assert ours == theirs and "Paris" in ours, (ours, theirs)
+    # The same question in a batch with a shorter and a longer one (left padding) gets the same reply.
+    others = ["Hi!", "Which is the largest planet of the solar system, and how many moons does it have?"]
+    argv = [*argv, "--prompt", others[0], "--prompt", others[1], "--json"]
+    assert main([*argv, "--max-new-tokens", "24"]) == 0
+    replies = [json.loads(line)["completion"] for line in capsys.readouterr().out.strip().splitlines()]
+    assert replies[0] == ours and len(replies) == 3 and "Jupiter" in replies[2], replies
 
 
 def test_smollm2_lora_sft_learns_and_its_adapter_matches_peft(smollm2, smollm2_checkpoint, tmp_path):

@@ -50,6 +50,9 @@ WORLD2 = [
     "tp2_sp_accum:lora",
     "pp2_1f1b:lora",
     "fsdp2:lora",
+    "dp2_rc_accum:packed",
+    "tp2_sp_accum:packed",
+    "fsdp2:packed",
 ]
 WORLD4 = [
     "dp4",
@@ -72,6 +75,7 @@ WORLD4 = [
     "dp2xtp2:wrapped",
     "fsdp2xtp2_sp_rc:bf16",
     "dp2xtp2:lora",
+    "dp2xtp2:packed",
 ]
 WORLD8 = ["dp2xtp2xpp2", "dp2xtp2xpp2_rc_accum", "fsdp2xtp2xpp2_sp_rc"]
 TWO_NODES = ["dp2xtp2", "fsdp2xpp2", "hsdp2x2_rc"]
@@ -123,6 +127,11 @@ def _check(results: dict, reference: dict, specs: list[str]) -> None:
 @pytest.fixture(scope="module")
 def results4(tmp_path_factory) -> dict:
     return _launch(4, WORLD4, tmp_path_factory.mktemp("p4") / "r.json")
+
+
+def test_packed_variant_masks_documents(reference):
+    """The packed reference differs from the unpacked one on the same tokens: its document masks take effect."""
+    assert all(_rel(a[0], b[0]) > 1e-4 for a, b in zip(reference["packed"], reference["fp32"]))
 
 
 def test_two_process_layouts_match_single_process(reference, tmp_path):

@@ -33,13 +33,13 @@ def tok_dir(tiny_dataset) -> Path:
 
 def test_mask_counts_exactly_the_assistant_tokens_of_every_turn(tok_dir):
     tok = load_tokenizer(tok_dir)
-    ids, mask, text, spans = encode_sample(tok, BUILTIN["chatml"], TURNS, {}, False, "sample")
+    ids, mask, text, spans, _ = encode_sample(tok, BUILTIN["chatml"], TURNS, {}, False, "sample")
     trained = tok.decode(ids[mask == 1].tolist(), skip_special_tokens=False)
     assert trained == "Blue.<|im_end|>\nGreen, like grass.<|im_end|>\n"  # both replies, each with its end token
     assert [text[a:b] for a, b in spans] == ["Blue.<|im_end|>\n", "Green, like grass.<|im_end|>\n"]
     im_end = tok.token_to_id("<|im_end|>")
     assert int(((ids == im_end) & (mask == 1)).sum()) == 2 and int((ids == im_end).sum()) == 5  # one per turn
-    ids2, mask2, _, _ = encode_sample(tok, BUILTIN["chatml"], TURNS, {}, True, "sample")
+    ids2, mask2, _, _, _ = encode_sample(tok, BUILTIN["chatml"], TURNS, {}, True, "sample")
     assert np.array_equal(ids, ids2) and mask2.all()  # --train-on-prompt
 
 

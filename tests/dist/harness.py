@@ -98,6 +98,7 @@ VARIANTS = {
         "model.model_config.pet_config.lora_rank": 4,
         "model.model_config.pet_config.target_modules": ".*q_proj|.*v_proj|.*o_proj|.*gate_proj|.*down_proj",
     },
+    "packed": {},  # fp32, every row packs several documents (batches(packed=True)): document masking
 }
 
 
@@ -132,6 +133,7 @@ VARIANT_CASES = {  # extra (case, variant) pairs beyond every case in fp32
     "bf16": ["fsdp2", "tp2", "pp2_1f1b", "fsdp2xtp2_sp_rc"],
     "wrapped": ["tp2_sp_accum", "dp2xtp2"],
     "lora": ["dp2", "tp2_sp_accum", "pp2_1f1b", "fsdp2", "dp2xtp2"],
+    "packed": ["dp2_rc_accum", "tp2_sp_accum", "fsdp2", "dp2xtp2"],  # pipelines refuse packing
 }
 
 
@@ -147,30 +149,36 @@ def make_cfg(overrides: dict):
     return load_config(None, args)
 
 
-def batches() -> tuple[torch.Tensor, torch.Tensor]:
+def batches(packed: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """inputs, labels and (packed) each position's document index: documents of random lengths in every row."""
     g = torch.Generator().manual_seed(1234)
     tokens = torch.randint(VOCAB, (STEPS, GLOBAL_BATCH, SEQ + 1), generator=g)
     labels = tokens[..., 1:].clone()
     labels[torch.rand(labels.shape, generator=g) < 0.1] = -100  # ignored positions must not count
-    return tokens[..., :-1], labels
+    if not packed:
+        return tokens[..., :-1], labels, None
+    starts = torch.rand(STEPS, GLOBAL_BATCH, SEQ, generator=g) < 0.2
+    starts[..., 0] = False
+    return tokens[..., :-1], labels, starts.long().cumsum(-1)
 
 
-def run(cfg, env, n_micro: int, transforms=None) -> list[tuple[float, float]]:
+def run(cfg, env, n_micro: int, transforms=None, packed: bool = False) -> list[tuple[float, float]]:
     built = build_parts(cfg, env, transforms)
     opt = Optimizers(built.parts.parts, cfg)
     schedule = Schedule(opt, cfg, STEPS)
     ignore = cfg.model.model_config.ignore_token_id
-    inputs, labels = batches()
+    inputs, labels, documents = batches(packed)
     per = GLOBAL_BATCH // env.dp_size
     rows = slice(env.dp_rank * per, (env.dp_rank + 1) * per)
+    docs = (lambda step: None) if documents is None else (lambda step: documents[step, rows].to(env.device))
     out = []
     for step in range(STEPS):
         schedule.apply(step)
         r = train_step(built.parts, opt, env, inputs[step, rows].to(env.device), labels[step, rows].to(env.device),
-                       n_micro=n_micro, ignore_index=ignore, max_grad_norm=clip_threshold(cfg))
+                       n_micro=n_micro, ignore_index=ignore, max_grad_norm=clip_threshold(cfg), documents=docs(step))
         out.append((r.loss, r.grad_norm))
     # Validation loss after training (forward only): the first global batch again.
-    first = [(inputs[0, rows].to(env.device), labels[0, rows].to(env.device))]
+    first = [(inputs[0, rows].to(env.device), labels[0, rows].to(env.device), docs(0))]
     out.append((evaluate(built.parts, env, first, per // n_micro, ignore), 0.0))
     return out
 
@@ -181,4 +189,4 @@ def run_case(case: str, variant: str = "fp32", world_size: int | None = None):
     cfg = make_cfg(overrides)
     env = init_parallel(cfg, world_size)
     n_micro = CASES[case][1] if case else 1
-    return run(cfg, env, n_micro, VARIANT_TRANSFORMS.get(variant)), env
+    return run(cfg, env, n_micro, VARIANT_TRANSFORMS.get(variant), packed=variant == "packed"), env

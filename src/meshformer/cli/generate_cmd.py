@@ -7,6 +7,7 @@ The checkpoint (a run's output_dir, whose newest checkpoint is used, or one chec
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from pathlib import Path
@@ -18,7 +19,8 @@ def add_parser(subparsers) -> None:
     p = subparsers.add_parser(
         "generate",
         help="Generate text from a checkpoint.",
-        description="Continue --prompt with a trained model and print prompt + completion.",
+        description="Continue --prompt (several: repeat it, or --prompts-file) with a trained model and print "
+        "prompt + completion; several prompts run as one left-padded batch.",
     )
     p.add_argument(
         "--checkpoint",
@@ -26,7 +28,15 @@ def add_parser(subparsers) -> None:
         metavar="DIR",
         help="a run's output_dir (its newest checkpoint is used) or one checkpoint directory",
     )
-    p.add_argument("--prompt", required=True, help="text to continue (with --chat: the user's message)")
+    p.add_argument(
+        "--prompt", action="append", default=[], help="text to continue (with --chat: the user's message); repeatable"
+    )
+    p.add_argument(
+        "--prompts-file", default=None, metavar="FILE", help="one more prompt per line (blank lines skipped)"
+    )
+    p.add_argument(
+        "--json", action="store_true", help='print one JSON object per prompt: {"prompt", "completion", "tokens"}'
+    )
     p.add_argument(
         "--chat", action="store_true", help="apply the model's chat template to --prompt and print only the reply"
     )
@@ -62,6 +72,13 @@ def add_parser(subparsers) -> None:
 
 
 def check_args(args: argparse.Namespace) -> None:
+    if args.prompts_file is not None:
+        f = Path(args.prompts_file)
+        if not f.is_file():
+            raise UserError(f"--prompts-file {args.prompts_file!r} is not a file: give a text file, a prompt a line")
+        args.prompt = [*args.prompt, *(ln for ln in f.read_text(encoding="utf-8").splitlines() if ln.strip())]
+    if not args.prompt:
+        raise UserError("--prompt: give the text to continue (repeat --prompt, or --prompts-file, for several)")
     if args.max_new_tokens < 1:
         raise UserError(f"--max-new-tokens {args.max_new_tokens}: give at least 1")
     if args.temperature < 0:
@@ -91,10 +108,8 @@ def special_ids(tokenizer, mc) -> tuple[int | None, int | None]:
     return bos, eos
 
 
-def chat_prompt(args, tokenizer) -> tuple[str, set[int]]:
+def chat_prompt(args, tokenizer, prompt: str) -> tuple[str, set[int]]:
     """(the rendered conversation up to the assistant's turn, the token ids that end a reply)."""
-    import json
-
     from meshformer.checkpoint.store import resolve_checkpoint
     from meshformer.data.chat import load_chat_template, render_chat, template_tokens
 
@@ -103,7 +118,7 @@ def chat_prompt(args, tokenizer) -> tuple[str, set[int]]:
     tok_cfg = json.loads(tok_cfg_file.read_text(encoding="utf-8")) if tok_cfg_file.is_file() else {}
     template = load_chat_template(ckpt, args.template)
     messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
-        {"role": "user", "content": args.prompt}
+        {"role": "user", "content": prompt}
     ]
     specials = template_tokens(tok_cfg)
     text = render_chat(template, messages, add_generation_prompt=True, **specials)
@@ -131,19 +146,21 @@ def run(args: argparse.Namespace) -> int:
 
     check_args(args)
     from meshformer import checkpoint  # looked up at call time so tests can substitute the loader
-    from meshformer.models.generate import generate
+    from meshformer.models.generate import generate_batch
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     model, cfg, tokenizer = checkpoint.load_for_inference(args.checkpoint, device=device)
     mc = cfg.model.model_config
     bos, eos = special_ids(tokenizer, mc)
     stop: set[int] = {eos} if eos is not None else set()
-    if args.chat:
-        prompt, chat_stop = chat_prompt(args, tokenizer)
-        ids = encode_prompt(tokenizer, prompt, mc, bos, add_special_tokens=False)
-        stop |= chat_stop
-    else:
-        ids = encode_prompt(tokenizer, args.prompt, mc, bos)
+    prompts = []
+    for prompt in args.prompt:
+        if args.chat:
+            text, chat_stop = chat_prompt(args, tokenizer, prompt)
+            prompts.append(encode_prompt(tokenizer, text, mc, bos, add_special_tokens=False))
+            stop |= chat_stop
+        else:
+            prompts.append(encode_prompt(tokenizer, prompt, mc, bos))
     gen = None
     if not args.greedy:
         gen = torch.Generator(device=next(model.parameters()).device)
@@ -152,9 +169,9 @@ def run(args: argparse.Namespace) -> int:
         else:
             gen.manual_seed(args.seed)
     t0 = time.perf_counter()
-    new = generate(
+    news = generate_batch(
         model,
-        ids,
+        prompts,
         args.max_new_tokens,
         temperature=args.temperature,
         top_p=args.top_p,
@@ -164,15 +181,23 @@ def run(args: argparse.Namespace) -> int:
         generator=gen,
     )
     dt = time.perf_counter() - t0
-    if args.chat:  # only the reply, without the token that ended it
-        print(tokenizer.decode(new[:-1] if new and new[-1] in stop else new, skip_special_tokens=True).strip())
-        print(f"generated {len(new)} tokens in {dt:.2f}s", file=sys.stderr)
-        return 0
-    # Decode prompt and completion together (tokenizers merge spaces across the boundary), then keep the
-    # user's prompt text verbatim when the tokenizer round-trips it.
+    texts = [_completion(args, tokenizer, p, ids, new, stop) for p, ids, new in zip(args.prompt, prompts, news)]
+    for k, (prompt, text, new) in enumerate(zip(args.prompt, texts, news)):
+        if args.json:
+            print(json.dumps({"prompt": prompt, "completion": text, "tokens": len(new)}, ensure_ascii=False))
+        else:
+            print(("\n" if k else "") + (text if args.chat else prompt + text))
+    n = sum(len(new) for new in news)
+    print(f"generated {n} tokens in {dt:.2f}s ({n / max(dt, 1e-9):.1f} tokens/s)", file=sys.stderr)
+    return 0
+
+
+def _completion(args, tokenizer, prompt: str, ids: list[int], new: list[int], stop: set[int]) -> str:
+    """What follows the prompt: with --chat only the reply, without the token that ended it."""
+    if args.chat:
+        return tokenizer.decode(new[:-1] if new and new[-1] in stop else new, skip_special_tokens=True).strip()
+    # Decode prompt and completion together (tokenizers merge spaces across the boundary), then keep what follows
+    # the prompt's own decoding, so the user's prompt text is printed verbatim.
     full = tokenizer.decode(ids + new)
     prefix = tokenizer.decode(ids)
-    text = args.prompt + full[len(prefix) :] if full.startswith(prefix) else full
-    print(text)
-    print(f"generated {len(new)} tokens in {dt:.2f}s ({len(new) / max(dt, 1e-9):.1f} tokens/s)", file=sys.stderr)
-    return 0
+    return full[len(prefix) :] if full.startswith(prefix) else tokenizer.decode(new)

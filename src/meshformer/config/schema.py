@@ -169,6 +169,11 @@ class DataLoaderConfig:
     )
     dataset_dir: str = setting("", "Directory written by `meshformer preprocess`.")
     shuffle: bool = setting(True, "Shuffle sample order each epoch (the order is derived from seed, so resumable).")
+    packing: bool = setting(
+        False,
+        "Instruction data: pack several samples per row, attention and rotary positions restarting at each "
+        "(document masking); false pads one sample per row.",
+    )
 
 
 @dataclass

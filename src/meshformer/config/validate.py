@@ -94,6 +94,13 @@ def validate_run(cfg: MeshformerConfig, world_size: int | None) -> None:
             f"{pc.pipeline_stage} (the embedding and output projection would live on different stages): "
             "set tie_word_embeddings: false, or use data_parallel/model_parallel instead of pipeline_stage"
         )
+    for name in ("train_dataset", "eval_dataset"):
+        if getattr(cfg, name).data_loader.packing and pc.pipeline_stage > 1:
+            raise UserError(
+                f"{name}.data_loader.packing=true is not supported with parallel_config.pipeline_stage="
+                f"{pc.pipeline_stage} yet (the stages would need each row's document layout): set packing: false "
+                f"(one padded sample per row), or use data_parallel/model_parallel instead of pipeline_stage"
+            )
     if mc.compute_dtype == "float32" and mc.param_init_type != "float32":
         raise UserError(
             f"model.model_config.compute_dtype=float32 is wider than param_init_type="

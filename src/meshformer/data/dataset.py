@@ -17,6 +17,7 @@ a pure function of (seed, k), so a checkpoint only records how many global batch
 
 from __future__ import annotations
 
+import bisect
 import json
 from pathlib import Path
 
@@ -117,11 +118,23 @@ class PackedDataset:
 
 
 class SFTDataset:
-    """Instruction samples (data/sft.py), one per row: tokens padded to seq_length + 1 with the pad id, and a mask
-    of the tokens the loss counts (the assistant's; padding never). Longer samples are cut at seq_length + 1."""
+    """Instruction samples (data/sft.py) as rows of seq_length + 1 tokens, with a mask of the tokens the loss counts
+    (the assistant's; padding never). Longer samples are cut at seq_length + 1.
+
+    Unpacked (default): one sample per row, padded with the pad id; causal attention already keeps every real token
+    from seeing the padding after it. Packed (`packing`): samples are placed into rows best-fit-decreasing by length
+    and `documents(i)` gives each position's sample index within the row, which the model turns into a
+    block-diagonal causal mask and rotary positions restarting per sample: a packed sample computes exactly what it
+    would alone, with a fraction of the padding.
+    """
 
     def __init__(
-        self, dataset_dir: str | Path, split: str, seq_length: int, field: str = "train_dataset.data_loader.dataset_dir"
+        self,
+        dataset_dir: str | Path,
+        split: str,
+        seq_length: int,
+        field: str = "train_dataset.data_loader.dataset_dir",
+        packing: bool = False,
     ):
         self.dir = Path(dataset_dir)
         self.meta = read_meta(dataset_dir, field)
@@ -139,15 +152,23 @@ class SFTDataset:
         if not (self.tokens.shape[0] == self.masks.shape[0] == info["tokens"] == int(self.offsets[-1])):
             raise UserError(f"{self.dir}: the {split!r} files disagree with meta.json: re-run `meshformer preprocess`")
         self.pad = int(self.meta.get("pad_token_id") or self.meta["eos_token_id"])
+        self.packing = packing
+        lengths = np.minimum(np.diff(self.offsets), seq_length + 1)
+        self.rows = pack_rows(lengths, seq_length + 1) if packing else [[i] for i in range(len(lengths))]
+        self.samples = len(lengths)
+        self.padding = 1 - float(lengths.sum()) / (len(self.rows) * (seq_length + 1))  # share of row tokens
 
     def __len__(self) -> int:
-        return len(self.offsets) - 1
+        return len(self.rows)
 
     def _row(self, data: np.ndarray, i: int, fill: int) -> torch.Tensor:
-        a, b = int(self.offsets[i]), int(self.offsets[i + 1])
         row = np.full(self.seq_length + 1, fill, dtype=np.int64)
-        n = min(b - a, self.seq_length + 1)
-        row[:n] = data[a : a + n]
+        n = 0
+        for k in self.rows[i]:
+            a = int(self.offsets[k])
+            m = min(int(self.offsets[k + 1]) - a, self.seq_length + 1 - n)
+            row[n : n + m] = data[a : a + m]
+            n += m
         return torch.from_numpy(row)
 
     def __getitem__(self, i: int) -> torch.Tensor:
@@ -156,13 +177,48 @@ class SFTDataset:
     def mask(self, i: int) -> torch.Tensor:
         return self._row(self.masks, i, 0).bool()
 
+    def documents(self, i: int) -> torch.Tensor | None:
+        """[seq_length + 1] sample index of every position of packed row i (the padding after them: one more);
+        None when rows are not packed."""
+        if not self.packing:
+            return None
+        lengths = [min(int(self.offsets[k + 1] - self.offsets[k]), self.seq_length + 1) for k in self.rows[i]]
+        docs = np.full(self.seq_length + 1, len(lengths), dtype=np.int64)
+        docs[: sum(lengths)] = np.repeat(np.arange(len(lengths)), lengths)
+        return torch.from_numpy(docs)
+
     check_tokenizer = PackedDataset.check_tokenizer
 
 
-def open_dataset(dataset_dir: str | Path, split: str, seq_length: int, field: str):
+def pack_rows(lengths: np.ndarray, capacity: int) -> list[list[int]]:
+    """Sample indices grouped into rows of at most `capacity` tokens: best-fit decreasing (each sample, longest
+    first, goes to the open row it fills most tightly), deterministic. Within a row samples keep file order."""
+    rows: list[list[int]] = []
+    free: list[tuple[int, int]] = []  # (space left, row), sorted: the tightest fit is the first entry >= length
+    for i in np.argsort(-lengths, kind="stable"):
+        n = int(lengths[i])
+        k = bisect.bisect_left(free, (n, -1))
+        if k < len(free):
+            space, r = free.pop(k)
+        else:
+            space, r = capacity, len(rows)
+            rows.append([])
+        rows[r].append(int(i))
+        if space > n:
+            bisect.insort(free, (space - n, r))
+    return [sorted(r) for r in rows]
+
+
+def open_dataset(dataset_dir: str | Path, split: str, seq_length: int, field: str, packing: bool = False):
     """The dataset class its meta.json names: packed text (pre-training) or instruction samples (fine-tuning)."""
     if read_meta(dataset_dir, field).get("format") == SFT_FORMAT:
-        return SFTDataset(dataset_dir, split, seq_length, field)
+        return SFTDataset(dataset_dir, split, seq_length, field, packing)
+    if packing:
+        packing_field = field.rsplit(".", 1)[0] + ".packing"
+        raise UserError(
+            f"{packing_field}=true applies to instruction data, but {dataset_dir} is text (already packed into "
+            f"full windows): set packing: false, or preprocess instruction data (.jsonl conversations)"
+        )
     return PackedDataset(dataset_dir, split, seq_length, field)
 
 
@@ -206,6 +262,12 @@ class GlobalBatches:
     def batch(self, dataset: PackedDataset, b: int) -> torch.Tensor:
         """[samples_per_rank, seq_length + 1] token windows for global batch b."""
         return torch.stack([dataset[int(i)] for i in self.sample_ids(b)])
+
+    def documents(self, dataset, b: int) -> torch.Tensor | None:
+        """[samples_per_rank, seq_length + 1] document index per position of packed rows (None: not packed)."""
+        if getattr(dataset, "documents", None) is None or dataset.documents(0) is None:
+            return None
+        return torch.stack([dataset.documents(int(i)) for i in self.sample_ids(b)])
 
     def targets(self, dataset, b: int) -> torch.Tensor | None:
         """[samples_per_rank, seq_length + 1] loss mask of global batch b (None: every token is a target)."""

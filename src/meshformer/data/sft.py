@@ -103,7 +103,8 @@ def assistant_spans(template: str, messages: list[dict], specials: dict, where: 
 
 
 def encode_sample(tok, template: str, messages: list[dict], specials: dict, train_on_prompt: bool, where: str):
-    """(token ids, mask: 1 for tokens the loss counts, roles: per-token role name)."""
+    """(token ids, mask: 1 for tokens the loss counts, the rendered text, the assistant spans in it, the character
+    offset where each token starts)."""
     text, spans = assistant_spans(template, messages, specials, where)
     enc = tok.encode(text, add_special_tokens=False)
     ids = np.asarray(enc.ids, dtype=np.int64)
@@ -111,7 +112,7 @@ def encode_sample(tok, template: str, messages: list[dict], specials: dict, trai
     for i, (a, b) in enumerate(enc.offsets):
         if train_on_prompt or any(s <= a and b <= e and a < b for s, e in spans):
             mask[i] = 1
-    return ids, mask, text, spans
+    return ids, mask, text, spans, [a for a, _ in enc.offsets]
 
 
 def preprocess_sft(
@@ -161,8 +162,8 @@ def preprocess_sft(
             if not isinstance(record, dict):
                 raise UserError(f"{where}: each line must be a JSON object")
             messages = to_messages(record, fmt or detect_format(record, where), where)
-            ids, mask, text, spans = encode_sample(tok, chat_template, messages, specials, train_on_prompt, where)
-            _count_roles(report, tok, text, messages, chat_template, specials, ids, mask)
+            ids, mask, _, _, starts = encode_sample(tok, chat_template, messages, specials, train_on_prompt, where)
+            _count_roles(report, starts, messages, chat_template, specials, mask)
             if len(ids) > seq_length + 1:
                 if overlong == "drop":
                     report["dropped"] += 1
@@ -225,11 +226,10 @@ def _write_split(d: Path, split: str, ids: list, masks: list, dtype) -> dict:
     return {"tokens": int(flat.shape[0]), "documents": len(ids), "samples": len(ids)}
 
 
-def _count_roles(report, tok, text, messages, template, specials, ids, mask) -> None:
+def _count_roles(report, starts, messages, template, specials, mask) -> None:
     """Per-role token counts (for the mask report): a token belongs to the turn its characters start in."""
     bounds = [len(render_chat(template, messages[: k + 1], **specials)) for k in range(len(messages))]
-    enc = tok.encode(text, add_special_tokens=False)
-    for (a, _), m in zip(enc.offsets, mask):
+    for a, m in zip(starts, mask):
         k = next((i for i, b in enumerate(bounds) if a < b), len(messages) - 1)
         role = messages[k]["role"]
         counts = report["by_role"].setdefault(role, {"tokens": 0, "target_tokens": 0})

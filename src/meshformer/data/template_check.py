@@ -53,7 +53,7 @@ def check_template(directory: str | Path, template_name: str | None = None) -> l
     problems: list[str] = []
     for messages in SAMPLES:
         try:
-            ids, mask, text, spans = encode_sample(tok, template, messages, specials, False, "sample conversation")
+            ids, mask, text, spans, _ = encode_sample(tok, template, messages, specials, False, "sample conversation")
         except UserError as e:
             problems.append(str(e))
             continue
@@ -113,7 +113,7 @@ def check_dataset(directory: str | Path, dataset: str | Path) -> tuple[int, list
         record = json.loads(lines[path][line_no - 1])
         where = f"{path}:{line_no}"
         messages = to_messages(record, meta.get("format_detected") or "messages", where)
-        ids, mask, _, _ = encode_sample(tok, template, messages, specials, meta.get("train_on_prompt", False), where)
+        ids, mask, _, _, _ = encode_sample(tok, template, messages, specials, meta.get("train_on_prompt", False), where)
         keep = len(ids) if meta.get("overlong") == "drop" else min(len(ids), meta["seq_length"] + 1)
         a, b = int(offsets[i]), int(offsets[i + 1])
         if not (np.array_equal(ids[:keep], tokens[a:b].astype(np.int64)) and np.array_equal(mask[:keep], masks[a:b])):

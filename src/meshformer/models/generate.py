@@ -1,4 +1,4 @@
-"""Autoregressive text generation with the model's KV cache (batch of one).
+"""Autoregressive text generation with the model's KV cache, one prompt or a left-padded batch.
 
 The prompt is run once (prefill) into a cache sized for prompt + new tokens; after that each step feeds
 only the newest token. Sampling follows the usual order: temperature, then top-k, then top-p (nucleus).
@@ -56,7 +56,78 @@ def next_token(
     return int(torch.multinomial(probs, 1, generator=generator))
 
 
+def _check(prompts: list[list[int]], temperature: float, top_p: float, top_k: int) -> None:
+    if not prompts or any(not ids for ids in prompts):
+        raise ValueError("generate: every prompt must contain at least one token")
+    if temperature < 0:
+        raise ValueError(f"generate: temperature={temperature} must be >= 0")
+    if not 0.0 <= top_p <= 1.0:
+        raise ValueError(f"generate: top_p={top_p} must be in [0, 1]")
+    if top_k < 0:
+        raise ValueError(f"generate: top_k={top_k} must be >= 0 (0: off)")
+
+
+def _as_ids(prompt: list[int] | torch.Tensor) -> list[int]:
+    if isinstance(prompt, torch.Tensor):
+        return torch.as_tensor(prompt, dtype=torch.long).flatten().tolist()
+    return [int(t) for t in prompt]
+
+
 @torch.no_grad()
+def generate_batch(
+    model,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    greedy: bool = False,
+    eos_id: int | Iterable[int] | None = None,
+    generator: torch.Generator | None = None,
+) -> list[list[int]]:
+    """Continue several prompts at once; returns each prompt's new tokens.
+
+    Prompts of different lengths are left-padded: the padding is a document of its own (models/llama.py), so
+    each prompt attends only to itself and its rotary positions start at 0, as if it ran alone. A row stops after
+    emitting an `eos_id` (included in its result); the batch stops when every row has, or after max_new_tokens.
+    Rows sample in order from one `generator`, so a batch of one draws what `generate` draws.
+    """
+    prompts = [_as_ids(p) for p in prompts]
+    _check(prompts, temperature, top_p, top_k)
+    if max_new_tokens <= 0:
+        return [[] for _ in prompts]
+    stop = {eos_id} if isinstance(eos_id, int) else set(eos_id or ())
+    device = next(model.parameters()).device
+    longest = max(len(p) for p in prompts)
+    tokens = torch.tensor([[p[0]] * (longest - len(p)) + p for p in prompts], device=device)
+    documents = None
+    if any(len(p) < longest for p in prompts):
+        pad = torch.tensor([longest - len(p) for p in prompts], device=device)
+        documents = (torch.arange(longest, device=device)[None, :] >= pad[:, None]).long()
+    was_training = model.training
+    model.eval()
+    try:
+        cache = model.new_kv_cache(len(prompts), longest + max_new_tokens)
+        logits = model(tokens, cache, documents)[:, -1]
+        out: list[list[int]] = [[] for _ in prompts]
+        done = [False] * len(prompts)
+        while True:
+            step = []
+            for r, row in enumerate(logits):
+                tok = next_token(
+                    row, temperature=temperature, top_p=top_p, top_k=top_k, greedy=greedy, generator=generator
+                )
+                if not done[r]:
+                    out[r].append(tok)
+                    done[r] = tok in stop or len(out[r]) == max_new_tokens
+                step.append(tok)
+            if all(done):
+                return out
+            logits = model(torch.tensor(step, device=device)[:, None], cache)[:, -1]
+    finally:
+        model.train(was_training)
+
+
 def generate(
     model,
     prompt_ids: list[int] | torch.Tensor,
@@ -74,39 +145,9 @@ def generate(
     result). temperature 0 means greedy.
     Pass a seeded `generator` for reproducible sampling.
     """
-    ids = (
-        torch.as_tensor(prompt_ids, dtype=torch.long).flatten().tolist()
-        if isinstance(prompt_ids, torch.Tensor)
-        else [int(t) for t in prompt_ids]
-    )
-    if not ids:
-        raise ValueError("generate: the prompt must contain at least one token")
-    if temperature < 0:
-        raise ValueError(f"generate: temperature={temperature} must be >= 0")
-    if not 0.0 <= top_p <= 1.0:
-        raise ValueError(f"generate: top_p={top_p} must be in [0, 1]")
-    if top_k < 0:
-        raise ValueError(f"generate: top_k={top_k} must be >= 0 (0: off)")
-    if max_new_tokens <= 0:
-        return []
-    stop = {eos_id} if isinstance(eos_id, int) else set(eos_id or ())
-    device = next(model.parameters()).device
-    was_training = model.training
-    model.eval()
-    try:
-        cache = model.new_kv_cache(1, len(ids) + max_new_tokens)
-        logits = model(torch.tensor([ids], device=device), cache)[0, -1]
-        out: list[int] = []
-        while True:
-            tok = next_token(
-                logits, temperature=temperature, top_p=top_p, top_k=top_k, greedy=greedy, generator=generator
-            )
-            out.append(tok)
-            if tok in stop or len(out) == max_new_tokens:
-                return out
-            logits = model(torch.tensor([[tok]], device=device), cache)[0, -1]
-    finally:
-        model.train(was_training)
+    return generate_batch(
+        model, [_as_ids(prompt_ids)], max_new_tokens, temperature, top_p, top_k, greedy, eos_id, generator
+    )[0]
 
 
-__all__ = ["generate", "next_token", "top_k_filter", "top_p_filter"]
+__all__ = ["generate", "generate_batch", "next_token", "top_k_filter", "top_p_filter"]

@@ -4,6 +4,10 @@ No parallel code lives here: tensor, pipeline and data parallelism are applied f
 (`meshformer.parallel`). Parameter names follow Hugging Face's `LlamaForCausalLM` minus the `model.` prefix,
 and rotary embeddings use the same half-split layout, so weight conversion is a renaming.
 
+Packed samples (several documents per row) pass `documents`, a document index per position: attention then stays
+inside each document (a block-diagonal causal mask through SDPA) and rotary positions restart at each document, so
+a packed row computes what each sample would alone. Batched generation uses the same mechanism for left padding.
+
 Pipeline stages are made by deleting modules: `embed_tokens`, `norm` and `lm_head` may be None and `layers`
 is a ModuleDict keyed by the global layer index, so names (and checkpoints) stay stable across layouts.
 """
@@ -92,6 +96,13 @@ class RopeTables(nn.Module):
         self.cos.copy_(cos)
         self.sin.copy_(sin)
 
+    def at(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin [batch, 1, seq, head_dim] of per-row positions [batch, seq] (packed documents, padded batches)."""
+        if int(positions.max()) < self.cos.shape[0]:
+            return self.cos[positions][:, None], self.sin[positions][:, None]
+        cos, sin = rope_cos_sin(self.config, positions.flatten(), self.dtype)
+        return cos.view(*positions.shape, -1)[:, None], sin.view(*positions.shape, -1)[:, None]
+
     def slice(self, start: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         if start + length <= self.cos.shape[0]:
             return self.cos[start : start + length], self.sin[start : start + length]
@@ -106,6 +117,10 @@ class KVCache:
         self.k = [torch.zeros(batch, n_kv, max_len, hd, dtype=dtype, device=device) for _ in range(n_layers)]
         self.v = [torch.zeros(batch, n_kv, max_len, hd, dtype=dtype, device=device) for _ in range(n_layers)]
         self.pos = 0  # tokens already stored
+        # Per-row document index and rotary position of every stored token, kept once documents are used
+        # (a left-padded batch of prompts): later tokens continue each row's last document.
+        self.documents: torch.Tensor | None = None
+        self.positions: torch.Tensor | None = None
 
     def update(self, idx: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         end = self.pos + k.shape[2]
@@ -126,9 +141,19 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.hd, mc.rms_norm_eps, norm_dtype) if mc.use_qk_norm else None
         self.k_norm = RMSNorm(self.hd, mc.rms_norm_eps, norm_dtype) if mc.use_qk_norm else None
 
-    def forward(self, x, rope: "RopeTables", start: int = 0, cache: KVCache | None = None, layer_idx: int = 0):
+    def forward(
+        self,
+        x,
+        rope: "RopeTables",
+        start: int = 0,
+        cache: KVCache | None = None,
+        layer_idx: int = 0,
+        positions: torch.Tensor | None = None,
+        mask: torch.Tensor | None = None,
+    ):
+        """positions [b, s] and mask [b, 1, s, keys] (True: may attend) come together from `document_layout`."""
         b, s, _ = x.shape
-        cos, sin = rope.slice(start, s)
+        cos, sin = rope.slice(start, s) if positions is None else rope.at(positions)
         # -1 instead of n_heads: under tensor parallelism each rank holds a slice of the heads.
         q = self.q_proj(x).view(b, s, -1, self.hd)
         k = self.k_proj(x).view(b, s, -1, self.hd)
@@ -140,7 +165,9 @@ class Attention(nn.Module):
         if cache is not None:
             k, v = cache.update(layer_idx, k, v)
         gqa = q.shape[1] != k.shape[1]
-        if cache is None or cache.pos == 0:
+        if mask is not None:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+        elif cache is None or cache.pos == 0:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
         else:  # queries at positions pos..pos+s-1 see every cached key up to their own position
             q_pos = torch.arange(cache.pos, cache.pos + s, device=x.device)[:, None]
@@ -173,8 +200,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(mc.hidden_size, mc.rms_norm_eps, norm_dtype)
         self.mlp = MLP(mc)
 
-    def forward(self, x, rope: "RopeTables", start: int = 0, cache: KVCache | None = None):
-        x = x + self.self_attn(self.input_layernorm(x), rope, start, cache, self.layer_idx)
+    def forward(self, x, rope: "RopeTables", start: int = 0, cache: KVCache | None = None, positions=None, mask=None):
+        x = x + self.self_attn(self.input_layernorm(x), rope, start, cache, self.layer_idx, positions, mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -191,13 +218,19 @@ class Transformer(nn.Module):
         self.lm_head = None if mc.tie_word_embeddings else nn.Linear(mc.hidden_size, mc.vocab_size, bias=False)
         self.rope = RopeTables(mc)
 
-    def forward(self, h: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
-        """h: token ids [batch, seq] on the first stage, hidden states [batch, seq, hidden] after it."""
+    def forward(
+        self, h: torch.Tensor, cache: KVCache | None = None, documents: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """h: token ids [batch, seq] on the first stage, hidden states [batch, seq, hidden] after it.
+        documents: [batch, seq] document index of every position (None: each row is one document)."""
+        start = cache.pos if cache is not None else 0
+        positions = mask = None
+        if documents is not None or (cache is not None and cache.documents is not None):
+            positions, mask = document_layout(h.shape[0], h.shape[1], documents, cache, h.device)
         if self.embed_tokens is not None:
             h = self.embed_tokens(h)
-        start = cache.pos if cache is not None else 0
         for layer in self.layers.values():
-            h = layer(h, self.rope, start, cache)
+            h = layer(h, self.rope, start, cache, positions, mask)
         if cache is not None:
             cache.pos += h.shape[1]
         if self.norm is not None:
@@ -240,6 +273,45 @@ class Transformer(nn.Module):
         p = next(self.parameters())
         mc = self.config
         return KVCache(mc.num_layers, batch, mc.num_kv_heads, max_len, mc.dim_per_head, p.dtype, p.device)
+
+
+def document_positions(documents: torch.Tensor) -> torch.Tensor:
+    """Position of every token within its document: [batch, seq] indices -> [batch, seq], 0 where one starts."""
+    idx = torch.arange(documents.shape[1], device=documents.device).expand_as(documents)
+    starts = torch.ones_like(documents, dtype=torch.bool)
+    starts[:, 1:] = documents[:, 1:] != documents[:, :-1]
+    return idx - torch.where(starts, idx, torch.zeros_like(idx)).cummax(dim=1).values
+
+
+def document_layout(
+    b: int, s: int, documents: torch.Tensor | None, cache: KVCache | None, device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rotary positions [b, s], attention mask [b, 1, s, keys]) for queries that may only see earlier tokens of
+    their own document. With a cache, `documents` is given for the first call (a left-padded prompt batch: the
+    padding is a document of its own) and later tokens continue each row's last document."""
+    start = cache.pos if cache is not None else 0
+    if cache is None:
+        positions, keys = document_positions(documents), documents
+    else:
+        if cache.documents is None:
+            if start:
+                raise ValueError("documents must be given with the first tokens of a cache")
+            size = cache.k[0].shape[2]
+            cache.documents = torch.zeros(b, size, dtype=torch.long, device=device)
+            cache.positions = torch.zeros(b, size, dtype=torch.long, device=device)
+        if documents is None:  # continue the last document of each row
+            documents = cache.documents[:, start - 1 : start].expand(b, s)
+            positions = cache.positions[:, start - 1 : start] + 1 + torch.arange(s, device=device)
+        elif start == 0:
+            positions = document_positions(documents)
+        else:
+            raise ValueError("documents may only be given with the first tokens of a cache")
+        cache.documents[:, start : start + s] = documents
+        cache.positions[:, start : start + s] = positions
+        keys = cache.documents[:, : start + s]
+    queries = torch.arange(start, start + s, device=device)
+    causal = torch.arange(keys.shape[1], device=device)[None, :] <= queries[:, None]
+    return positions, ((documents[:, :, None] == keys[:, None, :]) & causal)[:, None]
 
 
 def num_params(model: nn.Module, exclude_embedding: bool = False) -> int:

@@ -29,6 +29,10 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
+def _call(model: nn.Module, x: torch.Tensor, documents: torch.Tensor | None) -> torch.Tensor:
+    return model(x) if documents is None else model(x, documents=documents)
+
+
 class ModelParts:
     """A rank's model pieces. This base class is the non-pipelined case: one part, micro-batches accumulated."""
 
@@ -63,29 +67,38 @@ class ModelParts:
         return contextlib.nullcontext()
 
     def forward_backward(
-        self, inputs: torch.Tensor, labels: torch.Tensor, n_micro: int, loss_scale: float
+        self,
+        inputs: torch.Tensor,
+        labels: torch.Tensor,
+        n_micro: int,
+        loss_scale: float,
+        documents: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """inputs/labels: [n_micro * micro_batch, seq]. Backward of sum_loss * loss_scale per micro-batch.
+        documents: [n_micro * micro_batch, seq] document index per position of packed rows (None: unpacked).
 
         Returns the detached summed token loss over all micro-batches (before scaling).
         """
         model = self.parts[0]
         total = torch.zeros((), device=self.env.device, dtype=torch.float32)
-        chunks = list(zip(inputs.chunk(n_micro), labels.chunk(n_micro)))
+        docs = documents.chunk(n_micro) if documents is not None else [None] * n_micro
+        chunks = list(zip(inputs.chunk(n_micro), labels.chunk(n_micro), docs))
         with self.loss_context():
-            for i, (x, y) in enumerate(chunks):
+            for i, (x, y, d) in enumerate(chunks):
                 set_grad_sync(self.parts, i == len(chunks) - 1)  # reduce gradients once, after the last
                 with self.autocast():
-                    loss = self.loss_fn(model(x), y)
+                    loss = self.loss_fn(_call(model, x, d), y)
                 (loss * loss_scale).backward()
                 total += _local(loss.detach()).float()
         return total
 
     @torch.no_grad()
-    def eval_loss(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def eval_loss(
+        self, inputs: torch.Tensor, labels: torch.Tensor, documents: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Summed token loss of one batch, no gradients (validation)."""
         with self.loss_context(), self.autocast():
-            return _local(self.loss_fn(self.parts[0](inputs), labels)).float()
+            return _local(self.loss_fn(_call(self.parts[0], inputs, documents), labels)).float()
 
     def grad_norm(self, groups: dict | None = None) -> torch.Tensor:
         """Global L2 norm of all gradients over every rank's pieces (tp/dp via DTensor, pp via all-reduce)."""

@@ -82,17 +82,20 @@ def train_step(
     max_grad_norm: float | None,
     capture: contextlib.AbstractContextManager | None = None,
     after_update: Callable[[], None] | None = None,
+    documents: torch.Tensor | None = None,
 ) -> StepResult:
     """Forward/backward over this rank's `n_micro` micro-batches, clip, optimizer step, zero the gradients.
 
-    inputs/labels: this rank's rows of the global batch. `capture` wraps forward/backward (activation
+    inputs/labels: this rank's rows of the global batch; documents: their document index per position when rows
+    pack several samples (attention and rotary positions stay inside each). `capture` wraps forward/backward (activation
     measurement); `after_update` runs after the optimizer step while gradients still exist (memory accounting).
     A non-finite loss or gradient norm skips the optimizer step on every rank (the weights and optimizer states
     stay as they were): one bad batch or overflow must not poison the run.
     """
     n_tok = env.all_reduce_sum_dp((labels != ignore_index).sum().to(torch.float64))
     with capture if capture is not None else contextlib.nullcontext():
-        loss_sum = parts.forward_backward(inputs, labels, n_micro, env.grad_average_size / n_tok.item())
+        scale = env.grad_average_size / n_tok.item()
+        loss_sum = parts.forward_backward(inputs, labels, n_micro, scale, documents=documents)
     loss = (env.all_reduce_sum_dp(loss_sum.to(torch.float64)) / n_tok).item()
     grad_norm = float(parts.clip_grad_norm_(max_grad_norm))
     finite = math.isfinite(loss) and math.isfinite(grad_norm)
@@ -115,20 +118,24 @@ def clip_threshold(cfg: MeshformerConfig) -> float | None:
 def evaluate(
     parts: ModelParts,
     env: ParallelEnv,
-    batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
+    batches: Iterable[tuple[torch.Tensor, ...]],
     micro_batch: int,
     ignore_index: int,
 ) -> float:
-    """Mean token loss over (inputs, labels) batches, all data-parallel ranks together; forward only.
+    """Mean token loss over (inputs, labels[, documents]) batches, all data-parallel ranks together; forward only.
 
     Batches are cut into training-sized micro-batches (pipeline stages were built for that shape).
     """
     parts.train(False)
     total = torch.zeros((), dtype=torch.float64, device=env.device)
     count = torch.zeros((), dtype=torch.float64, device=env.device)
-    for inputs, labels in batches:
-        for x, y in zip(inputs.split(micro_batch), labels.split(micro_batch)):
-            total += parts.eval_loss(x, y).to(torch.float64)
+    for inputs, labels, *documents in batches:
+        if documents and documents[0] is not None:
+            for x, y, d in zip(inputs.split(micro_batch), labels.split(micro_batch), documents[0].split(micro_batch)):
+                total += parts.eval_loss(x, y, d).to(torch.float64)
+        else:
+            for x, y in zip(inputs.split(micro_batch), labels.split(micro_batch)):
+                total += parts.eval_loss(x, y).to(torch.float64)
         count += (labels != ignore_index).sum()
     parts.train(True)
     return (env.all_reduce_sum_dp(total) / env.all_reduce_sum_dp(count)).item()

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 import yaml
+from torch import Tensor
 
 from meshformer.checkpoint import store
 from meshformer.checkpoint.saver import CheckpointSaver
@@ -70,9 +71,16 @@ class Trainer:
         cfg, field = self.cfg, "train_dataset.data_loader.dataset_dir"
         if cfg.train_dataset.data_loader.type != "MindDataset":
             raise UserError(f"{field}: only MindDataset directories are supported")
+        dl = cfg.train_dataset.data_loader
         self.train_ds = open_dataset(
-            cfg.train_dataset.data_loader.dataset_dir, cfg.train_dataset.split or "train", self.mc.seq_length, field
+            dl.dataset_dir, cfg.train_dataset.split or "train", self.mc.seq_length, field, dl.packing
         )
+        if hasattr(self.train_ds, "padding"):
+            self.console.log(
+                f"instruction data: {self.train_ds.samples} samples in {len(self.train_ds)} rows of "
+                f"{self.mc.seq_length + 1} tokens, {self.train_ds.padding:.1%} padding"
+                + (" (packed)" if dl.packing else " (one sample per row; packing: true fills rows)")
+            )
         tok = self.train_ds.dir / "tokenizer.json"
         if not tok.is_file():
             raise UserError(f"{field}: {tok} is missing: re-run `meshformer preprocess`")
@@ -90,7 +98,9 @@ class Trainer:
         if cfg.do_eval or cfg.eval_config.eval_interval > 0:
             eval_dir = ev.data_loader.dataset_dir or cfg.train_dataset.data_loader.dataset_dir
             split = ev.split or "validation"
-            self.eval_ds = open_dataset(eval_dir, split, self.mc.seq_length, "eval_dataset.data_loader.dataset_dir")
+            self.eval_ds = open_dataset(
+                eval_dir, split, self.mc.seq_length, "eval_dataset.data_loader.dataset_dir", ev.data_loader.packing
+            )
             self.eval_ds.check_tokenizer(
                 self.tokenizer_hash, self.mc.vocab_size, "eval_dataset.data_loader.dataset_dir"
             )
@@ -214,13 +224,7 @@ class Trainer:
             while step < self.total_steps:
                 t0 = time.perf_counter()
                 batch_index = step + self.data_offset  # > step once a rollback skipped the batches of a spike
-                tokens = self.batches.batch(self.train_ds, batch_index)
-                if int(tokens.max()) >= self.mc.vocab_size:  # a corrupt or foreign token file
-                    raise UserError(
-                        f"train_dataset: global batch {batch_index} holds token id {int(tokens.max())} but "
-                        f"model.model_config.vocab_size is {self.mc.vocab_size}: re-run `meshformer preprocess`"
-                    )
-                inputs, labels = self._inputs_labels(tokens, self.batches.targets(self.train_ds, batch_index))
+                inputs, labels, documents = self._inputs_labels(self.train_ds, self.batches, batch_index)
                 lr = self.schedule.apply(step)
                 counter = M.ActivationCounter() if step == self.start_step and env.device.type == "cpu" else None
                 result = train_step(
@@ -235,6 +239,7 @@ class Trainer:
                     capture=counter.hooks() if counter is not None else None,
                     # after the first update gradients and optimizer states all exist
                     after_update=None if mem_state else lambda: mem_state.append(self._state_bytes()),
+                    documents=documents,
                 )
                 loss, grad_norm = result.loss, result.grad_norm
                 self.skipped_steps += result.skipped
@@ -350,14 +355,27 @@ class Trainer:
         )
         return back
 
-    def _inputs_labels(self, tokens: torch.Tensor, targets: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Inputs and next-token labels of token rows; labels the mask does not keep (prompts, padding of
-        instruction data) become ignore_token_id."""
-        tokens = tokens.to(self.env.device)
+    def _inputs_labels(self, ds, order: GlobalBatches, b: int) -> tuple[Tensor, Tensor, Tensor | None]:
+        """Inputs, next-token labels and document indices (packed rows; else None) of global batch b's rows.
+        Labels the mask does not keep (prompts, padding of instruction data) and labels that would predict the
+        first token of the next packed sample become ignore_token_id."""
+        dev, ignore = self.env.device, self.mc.ignore_token_id
+        tokens = order.batch(ds, b).to(dev)
+        if int(tokens.max()) >= self.mc.vocab_size:  # a corrupt or foreign token file
+            raise UserError(
+                f"{'train' if ds is self.train_ds else 'eval'}_dataset: global batch {b} holds token id "
+                f"{int(tokens.max())} but model.model_config.vocab_size is {self.mc.vocab_size}: re-run "
+                f"`meshformer preprocess`"
+            )
+        targets, documents = order.targets(ds, b), order.documents(ds, b)
         labels = tokens[:, 1:]
         if targets is not None:
-            labels = labels.masked_fill(~targets[:, 1:].to(self.env.device), self.mc.ignore_token_id)
-        return tokens[:, :-1], labels
+            labels = labels.masked_fill(~targets[:, 1:].to(dev), ignore)
+        if documents is not None:
+            documents = documents.to(dev)
+            labels = labels.masked_fill(documents[:, 1:] != documents[:, :-1], ignore)
+            documents = documents[:, :-1]
+        return tokens[:, :-1], labels, documents
 
     def _eval_due(self, done: int) -> bool:
         every = self.cfg.eval_config.eval_interval
@@ -369,7 +387,7 @@ class Trainer:
 
         def batches():
             for b in range(min(self.cfg.eval_config.eval_iters, order.per_epoch)):
-                yield self._inputs_labels(order.batch(ds, b), order.targets(ds, b))
+                yield self._inputs_labels(ds, order, b)
 
         return evaluate(self.parts, self.env, batches(), self.plan.micro_batch, self.mc.ignore_token_id)
 
