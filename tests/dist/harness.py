@@ -15,6 +15,7 @@ from torch import nn
 from meshformer.config.load import load_config
 from meshformer.models.transforms import ModelTransform
 from meshformer.parallel import init_parallel
+from meshformer.train.memory import MemoryMeter
 from meshformer.train.optim import Optimizers, Schedule
 from meshformer.train.step import build_parts, clip_threshold, evaluate, train_step
 
@@ -162,9 +163,12 @@ def batches(packed: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
     return tokens[..., :-1], labels, starts.long().cumsum(-1)
 
 
-def run(cfg, env, n_micro: int, transforms=None, packed: bool = False) -> list[tuple[float, float]]:
+def run(cfg, env, n_micro: int, transforms=None, packed: bool = False) -> tuple[list[tuple[float, float]], dict]:
+    """(loss and grad norm of every step, then the eval loss; this rank's memory breakdown after the first step)."""
     built = build_parts(cfg, env, transforms)
     opt = Optimizers(built.parts.parts, cfg)
+    meter = MemoryMeter(env, built.parts, opt)
+    memory = {}
     schedule = Schedule(opt, cfg, STEPS)
     ignore = cfg.model.model_config.ignore_token_id
     inputs, labels, documents = batches(packed)
@@ -175,18 +179,21 @@ def run(cfg, env, n_micro: int, transforms=None, packed: bool = False) -> list[t
     for step in range(STEPS):
         schedule.apply(step)
         r = train_step(built.parts, opt, env, inputs[step, rows].to(env.device), labels[step, rows].to(env.device),
-                       n_micro=n_micro, ignore_index=ignore, max_grad_norm=clip_threshold(cfg), documents=docs(step))
+                       n_micro=n_micro, ignore_index=ignore, max_grad_norm=clip_threshold(cfg), documents=docs(step),
+                       capture=meter.capture(), after_update=meter.after_update)
         out.append((r.loss, r.grad_norm))
+        memory = memory or {"stage": env.pp_rank, **meter.record()}
     # Validation loss after training (forward only): the first global batch again.
     first = [(inputs[0, rows].to(env.device), labels[0, rows].to(env.device), docs(0))]
     out.append((evaluate(built.parts, env, first, per // n_micro, ignore), 0.0))
-    return out
+    return out, memory
 
 
 def run_case(case: str, variant: str = "fp32", world_size: int | None = None):
-    """(results on this rank, is_metrics_rank). world_size=1 with case=None: the single-process reference."""
+    """(results on this rank, env, this rank's memory). world_size=1 with case=None: the single-process reference."""
     overrides = {**VARIANTS[variant], **(CASES[case][0] if case else {})}
     cfg = make_cfg(overrides)
     env = init_parallel(cfg, world_size)
     n_micro = CASES[case][1] if case else 1
-    return run(cfg, env, n_micro, VARIANT_TRANSFORMS.get(variant), packed=variant == "packed"), env
+    out, memory = run(cfg, env, n_micro, VARIANT_TRANSFORMS.get(variant), packed=variant == "packed")
+    return out, env, memory

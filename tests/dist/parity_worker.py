@@ -1,7 +1,8 @@
 """Under torchrun: run several parity cases (one layout after another on one process group), write results.
 
 usage: torchrun --nproc-per-node N tests/dist/parity_worker.py OUT.json CASE[:VARIANT] ...
-The metrics rank of each case writes {"CASE:VARIANT": [[loss, grad_norm], ...]} into OUT.json.
+The metrics rank of each case writes {"CASE:VARIANT": [[loss, grad_norm], ...]} into OUT.json, and every rank
+its memory breakdown after the first step as {"CASE:VARIANT:memory:RANK": {...}} (train/memory.py's fields).
 """
 
 import json
@@ -19,7 +20,8 @@ def main() -> None:
     for spec in specs:
         case, _, variant = spec.partition(":")
         t = time.time()
-        res, env = run_case(case, variant or "fp32")
+        res, env, memory = run_case(case, variant or "fp32")
+        results[f"{case}:{variant or 'fp32'}:memory:{env.rank}"] = memory
         if env.is_metrics_rank:
             results[f"{case}:{variant or 'fp32'}"] = res
             print(f"[parity] {spec}: {time.time() - t:.1f}s {res[-1]}", flush=True)

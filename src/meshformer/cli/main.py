@@ -25,6 +25,7 @@ COMMANDS = (
     "template",
     "ckpt",
     "config",
+    "plan",
 )
 
 

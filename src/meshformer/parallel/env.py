@@ -99,6 +99,14 @@ class ParallelEnv:
         dist.broadcast_object_list(box, src=0)
         return box[0]
 
+    def all_gather_object(self, obj) -> list:
+        """Every rank's `obj`, in rank order, on every rank (small, picklable values this process made)."""
+        if not self.distributed:
+            return [obj]
+        out = [None] * dist.get_world_size()
+        dist.all_gather_object(out, obj)
+        return out
+
     def side_groups(self, n: int) -> list:
         """`n` new gloo groups of every rank for the collectives of background threads (async checkpoint writes):
         one group's collectives must all come from one thread. Collective: every rank calls it at the same point.

@@ -73,30 +73,6 @@ def tensor_bytes(tensors) -> int:
     return total
 
 
-class ActivationCounter:
-    """Counts bytes autograd saves for backward (what recompute and sequence length change) on CPU."""
-
-    def __init__(self):
-        self.bytes, self._seen = 0, set()
-
-    def pack(self, t):
-        local = t
-        if hasattr(t, "__tensor_flatten__") and type(t) is not torch.Tensor and hasattr(t, "_local_tensor"):
-            local = t._local_tensor
-        try:
-            st = local.untyped_storage()
-            key = (st.data_ptr(), st.nbytes())
-            if key not in self._seen:
-                self._seen.add(key)
-                self.bytes += st.nbytes()
-        except (RuntimeError, NotImplementedError):
-            pass
-        return t
-
-    def hooks(self):
-        return torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t)
-
-
 def _step(line: str) -> int | None:
     try:
         return int(json.loads(line)["step"])

@@ -31,6 +31,7 @@ from meshformer.train.batch_plan import BatchPlan
 from meshformer.train.early_stop import EarlyStopping
 from meshformer.train.finetune import apply_finetune_base
 from meshformer.train.loading import check_tokenizer, load_base_weights
+from meshformer.train.memory import MemoryMeter
 from meshformer.train.optim import Optimizers, Schedule
 from meshformer.train.preemption import StopRequests, stop_signals_held
 from meshformer.train.progress import Progress
@@ -49,7 +50,6 @@ class Trainer:
         for n in notices or []:
             self.console.log(f"note: {n}")
         self.plan = BatchPlan.from_config(cfg, self.env.dims)
-        self._act_bytes = 0  # saved-activation bytes of one micro-batch, measured on the first step (CPU)
         self._open_data()
         check_fits(cfg, self.env.dims, self.env.device)  # a size typo fails here, before anything is allocated
         self.run_dir = RunDir(self.out, self.env, self.console.log)
@@ -211,7 +211,7 @@ class Trainer:
             f"{plan.describe(cfg, env.dims)}; {self.total_steps} steps; peak {peak / 1e12:.3f} TFLOP/s "
             f"per device ({peak_src}); world size {env.world_size}"
         )
-        mem_state: list[int] = []  # parameter + gradient + optimizer bytes, measured once after the first update
+        memory = MemoryMeter(env, self.parts, self.optimizer)  # the first step's breakdown (train/memory.py)
         first, last = None, {}
         skips_in_a_row = 0
         self.parts.train()
@@ -226,7 +226,6 @@ class Trainer:
                 batch_index = step + self.data_offset  # > step once a rollback skipped the batches of a spike
                 inputs, labels, documents = self._inputs_labels(self.train_ds, self.batches, batch_index)
                 lr = self.schedule.apply(step)
-                counter = M.ActivationCounter() if step == self.start_step and env.device.type == "cpu" else None
                 result = train_step(
                     self.parts,
                     self.optimizer,
@@ -236,9 +235,9 @@ class Trainer:
                     n_micro=plan.n_micro,
                     ignore_index=self.mc.ignore_token_id,
                     max_grad_norm=clip_threshold(cfg),
-                    capture=counter.hooks() if counter is not None else None,
+                    capture=memory.capture(),
                     # after the first update gradients and optimizer states all exist
-                    after_update=None if mem_state else lambda: mem_state.append(self._state_bytes()),
+                    after_update=memory.after_update,
                     documents=documents,
                 )
                 loss, grad_norm = result.loss, result.grad_norm
@@ -264,7 +263,7 @@ class Trainer:
                     "samples_per_s": plan.global_batch / dt,
                     "mfu": fpt * tokens_per_step / dt / (peak * env.world_size),
                     "step_time_s": dt,
-                    "peak_mem_bytes": self._peak_mem(mem_state[0] if mem_state else 0, counter, plan.n_micro),
+                    **memory.record(),
                     "skipped_steps": self.skipped_steps,
                     "rollbacks": self.rollbacks,
                 }
@@ -278,6 +277,7 @@ class Trainer:
                         f"({skips_in_a_row} in a row, the run stops at {cfg.runner_wrapper.max_consecutive_skips})"
                     )
                 log.write(rec)
+                memory.write_report(self.out, rec)  # every rank's breakdown, once, after the first step
                 if skips_in_a_row >= cfg.runner_wrapper.max_consecutive_skips:
                     self.console.stop()
                     self.saver.wait()  # a save still being written is a good one: let it complete
@@ -390,20 +390,6 @@ class Trainer:
                 yield self._inputs_labels(ds, order, b)
 
         return evaluate(self.parts, self.env, batches(), self.plan.micro_batch, self.mc.ignore_token_id)
-
-    def _state_bytes(self) -> int:
-        params = list(self.parts.parameters())
-        states = self.optimizer.state_tensors()
-        return M.tensor_bytes(params) + M.tensor_bytes(p.grad for p in params) + M.tensor_bytes(states)
-
-    def _peak_mem(self, state_bytes: int, counter, n_micro: int) -> int:
-        if self.env.device.type == "cuda":
-            return torch.cuda.max_memory_allocated(self.env.device)
-        # CPU has no allocator peak: parameters + gradients + optimizer states (exact storage sums) plus the
-        # activations one micro-batch saves for backward (counted with saved-tensor hooks on the first step).
-        if counter is not None:
-            self._act_bytes = counter.bytes // max(1, n_micro)
-        return state_bytes + self._act_bytes
 
     # ---- checkpoints --------------------------------------------------------------------------------------
     def _make_saver(self) -> CheckpointSaver:

@@ -1,0 +1,121 @@
+"""`meshformer plan CONFIG [--devices N] [--nodes K] [--accelerator NAME] [--device-memory GB] [--json]`:
+memory per pipeline stage and predicted throughput of a config, before anything runs (planner/)."""
+
+from __future__ import annotations
+
+import json
+
+from meshformer.errors import UserError
+
+GIB = 1 << 30
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser(
+        "plan",
+        help="predict memory per stage and throughput of a config before running it",
+        description="Memory per pipeline stage (parameters, gradients, optimizer states, activations, logits, "
+        "runtime, fragmentation) and step time, tokens/s and MFU of a config's layout on an accelerator.",
+    )
+    p.add_argument("config", help="YAML config (dotted --section.field VALUE overrides may follow)")
+    p.add_argument("--devices", type=int, default=None, help="device count (default: the layout's product)")
+    p.add_argument("--nodes", type=int, default=1, help="nodes the devices are spread over (default 1)")
+    p.add_argument(
+        "--accelerator",
+        default="H100",
+        metavar="NAME",
+        help="H100, H200, A100, 910B or cpu (measured here); default H100",
+    )
+    p.add_argument("--device-memory", type=float, default=None, metavar="GB", help="override the device's memory")
+    p.add_argument("--json", action="store_true", help="print the plan as one JSON object")
+    p.set_defaults(func=run, accepts_overrides=True)
+
+
+def build(args):
+    """(config, plan) of the command's arguments."""
+    from meshformer.config.load import load_config
+    from meshformer.parallel.dims import ParallelDims
+    from meshformer.planner.accelerators import find_accelerator
+    from meshformer.planner.plan import make_plan
+    from meshformer.train.batch_plan import BatchPlan
+
+    cfg = load_config(args.config, getattr(args, "overrides", []))
+    pc = cfg.parallel_config
+    devices = args.devices or pc.data_parallel * pc.model_parallel * pc.pipeline_stage
+    if args.nodes < 1 or devices % args.nodes:
+        raise UserError(f"--nodes {args.nodes}: must be >= 1 and divide the {devices} devices")
+    if args.device_memory is not None and args.device_memory <= 0:
+        raise UserError(f"--device-memory {args.device_memory}: give the device's memory in GB (> 0)")
+    dims = ParallelDims.from_config(cfg, devices)
+    batch = BatchPlan.from_config(cfg, dims)
+    acc = find_accelerator(args.accelerator)
+    mem = args.device_memory * 1e9 if args.device_memory else None
+    return cfg, make_plan(cfg, dims, acc, batch.micro_batch, batch.n_micro, args.nodes, mem)
+
+
+def run(args) -> int:
+    _, plan = build(args)
+    if args.json:
+        print(json.dumps(plan.as_dict(), indent=1))
+        return 0
+    print_plan(plan)
+    return 0
+
+
+def print_plan(plan) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    d = plan.as_dict()
+    lay = d["layout"]
+    console = Console(width=max(Console().width, 132))
+    console.print(
+        f"[bold]{lay['devices']} x {plan.accelerator.name}[/bold] ({plan.device_memory / 1e9:.0f} GB each, "
+        f"{lay['nodes']} node(s)): data_parallel {lay['data_parallel']} (optimizer shards {lay['optimizer_shard']}) "
+        f"x model_parallel {lay['model_parallel']} x pipeline_stage {lay['pipeline_stage']}; micro batch "
+        f"{lay['micro_batch']} x {lay['micro_batches_per_step']} per step, global batch {lay['global_batch']}",
+        soft_wrap=True,
+    )
+    t = Table(title="memory per rank (GiB)")
+    for col in (
+        "stage",
+        "layers",
+        "params",
+        "grads",
+        "optimizer",
+        "activations",
+        "logits",
+        "allocated",
+        "reserved",
+        "headroom",
+    ):
+        t.add_column(col, justify="right")
+    for s in d["stages"]:
+        g = lambda k: f"{s[k] / GIB:.2f}"  # noqa: E731
+        t.add_row(
+            str(s["stage"]),
+            str(s["layers"]),
+            g("params_bytes"),
+            g("grads_bytes"),
+            g("optimizer_bytes"),
+            f"{s['activations_bytes'] / GIB:.2f} ({s['in_flight']} mb)",
+            g("logits_bytes"),
+            g("allocated_bytes"),
+            g("reserved_bytes"),
+            ("" if s["headroom_bytes"] >= 0 else "[red]") + g("headroom_bytes"),
+        )
+    console.print(t)
+    c = d["communication_bytes_per_step"]
+    console.print(
+        f"step: {d['flops_per_step'] / 1e15:.2f} PFLOP model ({d['flops_per_token'] / 1e9:.2f} GFLOP/token, "
+        f"6N + 12·L·h·s, causal not halved); communication per rank: tp {c['tp'] / 1e9:.2f} GB, dp "
+        f"{c['dp'] / 1e9:.2f} GB, pp {c['pp'] / 1e9:.2f} GB; bubble {d['bubble_fraction']:.1%}",
+        soft_wrap=True,
+    )
+    verdict = "[green]fits[/green]" if d["fits"] else "[red]does not fit[/red]"
+    console.print(
+        f"predicted: {d['step_time_s']:.3f} s/step, {d['tokens_per_s']:,.0f} tokens/s "
+        f"({d['tokens_per_s'] / lay['devices']:,.0f} per device), {d['samples_per_s']:,.1f} samples/s, "
+        f"MFU {d['mfu']:.1%}; {verdict}",
+        soft_wrap=True,
+    )

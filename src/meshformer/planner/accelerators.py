@@ -1,0 +1,112 @@
+"""Accelerators the planner knows: peak FLOP/s, memory and link bandwidths, each with its source.
+
+Peaks are dense (no sparsity) vendor data-sheet figures; `cpu` is measured on the machine running the planner
+(a timed matmul, as the trainer's MFU does). Bandwidths are per device and per direction: `intra` inside a node
+(NVLink, HCCS), `inter` between nodes (one NIC per device). The planner's predicted times divide bytes by these
+and FLOPs by peak x an achievable fraction (`efficiency`), so they are estimates, labelled as such.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class Accelerator:
+    name: str
+    peak_bf16: float  # dense bf16/fp16 FLOP/s
+    peak_fp32: float  # FLOP/s of fp32 matmuls (TF32 off)
+    memory_bytes: float
+    intra_bw: float  # bytes/s per device per direction inside a node
+    inter_bw: float  # bytes/s per device per direction between nodes
+    devices_per_node: int
+    runtime_bytes: float  # context + communicators + workspaces the framework takes before any tensor
+    source: str
+
+
+ACCELERATORS = {
+    "H100": Accelerator(
+        "H100",
+        989.4e12,
+        66.9e12,
+        80 * GB,
+        450 * GB,
+        50 * GB,
+        8,
+        3.0 * (1 << 30),
+        "NVIDIA H100 SXM5 data sheet (989.4 TFLOP/s dense BF16, 80 GB HBM3, NVLink 900 GB/s both directions); "
+        "400 Gb/s InfiniBand per GPU",
+    ),
+    "H200": Accelerator(
+        "H200",
+        989.4e12,
+        66.9e12,
+        141 * GB,
+        450 * GB,
+        50 * GB,
+        8,
+        3.0 * (1 << 30),
+        "NVIDIA H200 SXM data sheet (989.4 TFLOP/s dense BF16, 141 GB HBM3e, NVLink 900 GB/s); 400 Gb/s IB per GPU",
+    ),
+    "A100": Accelerator(
+        "A100",
+        312e12,
+        19.5e12,
+        80 * GB,
+        300 * GB,
+        25 * GB,
+        8,
+        2.5 * (1 << 30),
+        "NVIDIA A100 SXM4 80GB data sheet (312 TFLOP/s BF16, NVLink 600 GB/s both directions); 200 Gb/s IB per GPU",
+    ),
+    "910B": Accelerator(
+        "910B",
+        313e12,
+        75e12,
+        64 * GB,
+        196 * GB,
+        25 * GB,
+        8,
+        3.0 * (1 << 30),
+        "Huawei Ascend 910B (Atlas 800T A2): 313 TFLOP/s FP16, 64 GB HBM2e, HCCS 392 GB/s both directions; "
+        "200 Gb/s RoCE per NPU",
+    ),
+}
+ALIASES = {"ascend": "910B", "ascend910b": "910B", "atlas800ta2": "910B", "h100sxm": "H100", "a100sxm": "A100"}
+
+# Share of peak that large dense matmuls reach in training (torchtitan and Megatron report 40-58% MFU; the rest
+# is attention, norms, communication not hidden and the optimizer, which the planner models separately).
+MATMUL_EFFICIENCY = 0.6
+
+
+def cpu_accelerator(memory_bytes: float | None = None) -> Accelerator:
+    """This machine's CPU, measured: fp32 matmul FLOP/s (bf16 too: without AVX-512 BF16/AMX it is emulated)."""
+    import torch
+
+    from meshformer.planner.fits import device_memory_bytes
+    from meshformer.train.metrics import peak_flops
+
+    cpu = torch.device("cpu")
+    fp32, _ = peak_flops(cpu, torch.float32, 0)
+    bf16, _ = peak_flops(cpu, torch.bfloat16, 0)
+    mem = memory_bytes or device_memory_bytes(cpu) or 16 * GB
+    return Accelerator(
+        "cpu", bf16, fp32, mem, 5 * GB, 1 * GB, 1, 0.3 * (1 << 30), "measured here (timed matmul); gloo over loopback"
+    )
+
+
+def find_accelerator(name: str | None) -> Accelerator:
+    """A known accelerator by name (case-insensitive; None or 'cpu': this machine's CPU, measured)."""
+    from meshformer.errors import UserError
+
+    if name is None or name.lower() == "cpu":
+        return cpu_accelerator()
+    key = name.replace(" ", "").replace("-", "").replace("_", "")
+    for k in ACCELERATORS:
+        if key.lower() == k.lower():
+            return ACCELERATORS[k]
+    if key.lower() in ALIASES:
+        return ACCELERATORS[ALIASES[key.lower()]]
+    raise UserError(f"--accelerator {name!r}: one of {', '.join([*ACCELERATORS, 'cpu'])}")

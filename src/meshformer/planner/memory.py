@@ -1,0 +1,293 @@
+"""Memory of every pipeline stage's rank, predicted from the config alone (nothing allocated).
+
+Model states are counted parameter by parameter on the meta-device model, cut exactly as `parallelize` cuts it:
+the pipeline split (`split_pipeline`), the family's tensor-parallel plan (`resolve_plan`: which dimension each
+style shards, uneven splits rounded up) and FSDP's dim-0 shards (padded to equal size). Gradients exist for
+trainable parameters only; AdamW keeps two moments in the parameter's dtype and a 4-byte step per parameter.
+
+Activations (the bytes autograd saves for backward) follow the operations of models/llama.py, per layer and
+micro-batch of T = micro_batch x seq_length tokens, in Korthikanti et al.'s style (sbh(34 + 5as/h) for GPT-3's
+layer) but for this layer: RMSNorm, SwiGLU, GQA and SDPA, which keeps no s x s scores. With element sizes
+n (norm dtype), a (compute dtype), tensor parallel degree t, sequence parallel dividing the norms' part:
+
+    per RMSNorm   2 T h n + T n        (its fp32 input and normalised value, the rsqrt)    [/ t with SP]
+                  + T h a              (the next linear's input: one storage for q, k, v or gate, up; under
+                                        autocast from a wider residual stream, one copy per linear)
+    attention     (2 T q + 2 T kv) a / t + 4 T heads / t    (q, k after rotary, v, the output; the log-sum-exp)
+    q/k norm      (2 T q + 2 T kv + T heads + T kv_heads) n / t
+    SwiGLU        4 T f a / t          (gate, silu(gate), up, their product)
+
+(q = heads x head_dim, kv = kv_heads x head_dim, f = ffn width.) Full recompute keeps each layer's input
+(T h, / t with SP) and recomputes one layer at a time in backward: that layer's set is `recompute_bytes`, apart
+from the saved activations (it is not saved for backward but made again in it; the loss's tensors are gone by
+then, so the peak is at most their sum). The last stage adds the final norm and the log-softmax of the logits in
+softmax_compute_dtype (T x vocab / t under tensor parallel: loss parallel). Token ids, labels and the rotary
+tables are the batch's and the model's memory, not activations. A stage holds as many micro-batches in flight
+as its schedule makes it (all of them under GPipe, pp - rank under 1F1B, ...). tests/test_memory.py checks
+every figure against the measured bytes of real runs (train/memory.py).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import torch
+
+from meshformer.config.schema import MeshformerConfig, ModelConfig
+from meshformer.dtypes import DTYPE
+from meshformer.parallel.dims import ParallelDims
+
+# Which dimension of a parameter each tensor-parallel style shards (None: replicated). parallel/tp.py's styles.
+TP_SHARD_DIM = {
+    "colwise": {"weight": 0, "bias": 0},
+    "rowwise": {"weight": 1, "bias": None},
+    "vocab_embedding": {"weight": 0},
+    "vocab_head": {"weight": 0},
+    "rowwise_to_replicated": {"weight": 1, "bias": None},
+}
+
+
+def _size(dtype_name: str) -> int:
+    return torch.empty((), dtype=DTYPE[dtype_name]).element_size()
+
+
+@dataclass
+class StageMemory:
+    """Bytes on one rank of a pipeline stage (the most loaded rank where uneven splits differ)."""
+
+    stage: int  # pipeline rank
+    layers: int  # decoder layers this rank holds (all its virtual stages)
+    params_bytes: int
+    grads_bytes: int
+    optimizer_bytes: int
+    activations_bytes: int  # peak of the bytes saved for backward, micro-batches in flight included
+    in_flight: int  # micro-batches whose activations this rank holds at once
+    recompute_bytes: int = 0  # one recomputed layer's activations, alive again during its backward
+
+    @property
+    def states_bytes(self) -> int:
+        return self.params_bytes + self.grads_bytes + self.optimizer_bytes
+
+    @property
+    def total_bytes(self) -> int:
+        return self.states_bytes + self.activations_bytes + self.recompute_bytes
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "total_bytes": self.total_bytes}
+
+
+def _local_numel(shape: tuple[int, ...], tp_dim: int | None, tp: int, fsdp: int) -> int:
+    shape = list(shape)
+    if tp_dim is not None and tp > 1 and shape:
+        shape[tp_dim] = math.ceil(shape[tp_dim] / tp)
+    if fsdp > 1 and shape:
+        shape[0] = math.ceil(shape[0] / fsdp)  # FSDP2 pads dim 0 to equal shards
+    return math.prod(shape)
+
+
+def states_bytes(cfg: MeshformerConfig, dims: ParallelDims, pp_rank: int) -> tuple[int, int, int, int, int]:
+    """(parameter, gradient, optimizer-state bytes, decoder layers, local elements of the weights used in matmuls)
+    of one rank of pipeline rank `pp_rank`."""
+    from meshformer.parallel.tp import resolve_plan
+
+    pieces = _pieces(cfg, dims, pp_rank)
+    params = grads = optim = layers = matmul = 0
+    fsdp = dims.dp_shard if dims.dp_shard > 1 else 1
+    for _, piece in pieces:
+        styles = resolve_plan(piece, piece.tp_plan()) if dims.tp > 1 else {}
+        layers += len(piece.layers)
+        seen = set()
+        for name, p in piece.named_parameters():
+            if id(p) in seen:
+                continue
+            seen.add(id(p))
+            module, _, leaf = name.rpartition(".")
+            tp_dim = TP_SHARD_DIM.get(styles.get(module, ""), {}).get(leaf)
+            numel = _local_numel(tuple(p.shape), tp_dim, dims.tp, fsdp)
+            nbytes = numel * p.element_size()
+            params += nbytes
+            if p.dim() == 2 and (not name.startswith("embed_tokens") or cfg.model.model_config.tie_word_embeddings):
+                matmul += numel if fsdp == 1 else _local_numel(tuple(p.shape), tp_dim, dims.tp, 1)
+            if p.requires_grad:
+                # torch's vocab-parallel embedding returns a replicated (whole) gradient for its sharded weight, unless
+                # data parallelism (replicate / fully_shard) reduces it into the weight's placement
+                replicated = (
+                    styles.get(module) == "vocab_embedding"
+                    and dims.dp == 1
+                    and not cfg.model.model_config.tie_word_embeddings
+                )
+                grads += math.prod(p.shape) * p.element_size() if replicated else nbytes
+                optim += 2 * nbytes + 4  # AdamW: exp_avg, exp_avg_sq, and a float32 step
+    return params, grads, optim, layers, matmul
+
+
+@dataclass
+class LayerGrads:
+    """Which pieces of a decoder layer train (the rest is frozen, e.g. by LoRA or freezing); LoRA ranks by linear."""
+
+    norm1: bool = True
+    q: bool = True
+    k: bool = True
+    v: bool = True
+    o: bool = True
+    norm2: bool = True
+    gate: bool = True
+    up: bool = True
+    down: bool = True
+    qk_norm: bool = True
+    lora: dict | None = None  # linear name (q, k, ...) -> rank
+
+    @classmethod
+    def of(cls, layer) -> "LayerGrads":
+        def trains(module) -> bool:
+            return module is not None and any(p.requires_grad for p in module.parameters())
+
+        attn, mlp = layer.self_attn, layer.mlp
+        names = {"q": attn.q_proj, "k": attn.k_proj, "v": attn.v_proj, "o": attn.o_proj}
+        names |= {"gate": mlp.gate_proj, "up": mlp.up_proj, "down": mlp.down_proj}
+        lora = {n: m.lora_A.out_features for n, m in names.items() if hasattr(m, "lora_A")}
+        flags = {n: trains(m) for n, m in names.items()}
+        return cls(
+            trains(layer.input_layernorm),
+            **flags,
+            norm2=trains(layer.post_attention_layernorm),
+            qk_norm=trains(attn.q_norm),
+            lora=lora,
+        )
+
+
+def _norm_bytes(rows: int, width: int, n: int, grad_in: bool, weight_trains: bool) -> int:
+    """What an RMSNorm keeps: its input and the rsqrt when a gradient flows to its input, the normalised value
+    when its weight trains."""
+    return (rows * width * n + rows * n if grad_in else 0) + (rows * width * n if weight_trains else 0)
+
+
+def layer_activation_bytes(
+    mc: ModelConfig,
+    tokens: int,
+    tp: int,
+    sp: bool,
+    dtypes: dict[str, int],
+    casts: bool = False,
+    g: LayerGrads | None = None,
+    grad_in: bool = True,
+) -> tuple[int, bool]:
+    """(bytes one decoder layer saves for backward for `tokens` tokens (one micro-batch, no recompute), whether its
+    output requires grad). A tensor is saved only when something needs it: a frozen linear keeps no input, a frozen
+    norm no normalised value, and nothing before the first trainable piece keeps anything. `casts`: autocast
+    narrows a wider residual stream, separately for each linear that keeps its input."""
+    g = g or LayerGrads()
+    T, h, f = tokens, mc.hidden_size, mc.ffn_hidden_size
+    heads, kv_heads, hd = mc.num_heads, mc.num_kv_heads, mc.dim_per_head
+    n, a = dtypes["norm"], dtypes["compute"]
+    rows = T // tp if sp else T  # sequence parallel: norms see their sequence shard
+    total = _norm_bytes(rows, h, n, grad_in, g.norm1)
+    readers = sum((g.q, g.k, g.v))  # linears that keep the normalised input (a LoRA linear's A does)
+    total += (readers if casts else min(readers, 1)) * T * h * a
+    total += sum(T * r * a for r in (g.lora or {}).values())  # LoRA A's output, kept by B
+    normed_grad = grad_in or g.norm1
+    q_grad, k_grad, v_grad = normed_grad or g.q, normed_grad or g.k, normed_grad or g.v
+    if mc.use_qk_norm:
+        total += _norm_bytes(T * heads // tp, hd, n, q_grad, g.qk_norm)
+        total += _norm_bytes(T * kv_heads // tp, hd, n, k_grad, g.qk_norm)
+    qkv_grad = q_grad or k_grad or v_grad
+    if qkv_grad:  # attention keeps q and k after rotary, v, its output and the log-sum-exp
+        total += (2 * T * heads * hd + 2 * T * kv_heads * hd) * a // tp + 4 * T * heads // tp
+    elif g.o:
+        total += T * heads * hd * a // tp  # the output projection keeps the attention output
+    mid_grad = qkv_grad or g.o
+    total += _norm_bytes(rows, h, n, mid_grad, g.norm2)
+    readers = sum((g.gate, g.up))
+    total += (readers if casts else min(readers, 1)) * T * h * a
+    mlp_grad = mid_grad or g.norm2 or readers > 0
+    if mlp_grad:
+        total += 3 * T * f * a // tp  # gate output (silu's input), silu's output and up's (the product's inputs)
+    if g.down:
+        total += T * f * a // tp  # the product, the down projection's input
+    return total, mlp_grad or g.down
+
+
+def _in_flight(cfg: MeshformerConfig, n_micro: int, pp_rank: int) -> int:
+    """Micro-batches whose activations a pipeline rank holds at its peak, by schedule."""
+    pc = cfg.parallel_config
+    pp = pc.pipeline_stage
+    if pp == 1:
+        return 1
+    if pc.pipeline_schedule in ("gpipe", "looped_bfs"):
+        return n_micro
+    return min(n_micro, pp - pp_rank)
+
+
+def stage_memory(
+    cfg: MeshformerConfig, dims: ParallelDims, pp_rank: int, micro_batch: int, n_micro: int
+) -> StageMemory:
+    """Predicted bytes of one rank of pipeline rank `pp_rank`."""
+    mc, pc = cfg.model.model_config, cfg.parallel_config
+    params, grads, optim, layers, matmul = states_bytes(cfg, dims, pp_rank)
+    pieces = _pieces(cfg, dims, pp_rank)
+    dt = {"norm": _size(mc.layernorm_compute_dtype), "compute": _size(mc.compute_dtype)}
+    T, tp, sp = micro_batch * mc.seq_length, dims.tp, pc.use_seq_parallel and dims.tp > 1
+    # The residual stream is in the stored weights' dtype under autocast (the embedding is not autocast), in the
+    # compute dtype when data parallelism gathers low-precision weights (the embedding then returns that dtype).
+    autocast = mc.compute_dtype != mc.param_init_type
+    gathered_low = autocast and dims.dp > 1  # replicate/fully_shard cast the weights they gather
+    residual = dt["compute"] if gathered_low or not autocast else _size(mc.param_init_type)
+    casts = residual > dt["compute"]
+    layer_input = T * mc.hidden_size * residual // (tp if sp else 1)
+    n_stages = pc.pipeline_stage * _stages_per_rank(cfg)
+    kept = largest = tail = 0
+    for s, piece in pieces:
+        grad = s > 0 or any(p.requires_grad for p in piece.embed_tokens.parameters())
+        n_rc = _recomputed_layers(cfg, pp_rank, len(piece.layers))
+        for i, layer in enumerate(piece.layers.values()):
+            full, grad_out = layer_activation_bytes(mc, T, tp, sp, dt, casts, LayerGrads.of(layer), grad)
+            if i < n_rc:  # recomputed: keeps its input; its backward holds the full set again, one layer at a time
+                kept += layer_input if grad or grad_out else 0
+                largest = max(largest, full)
+            else:
+                kept += full
+            grad = grad_out
+        if s == n_stages - 1:
+            h = mc.hidden_size
+            head = piece.lm_head if piece.lm_head is not None else piece.embed_tokens
+            head_trains = any(p.requires_grad for p in head.parameters())
+            norm_trains = any(p.requires_grad for p in piece.norm.parameters())
+            tail += _norm_bytes(T // tp if sp else T, h, dt["norm"], grad, norm_trains)
+            tail += T * h * dt["compute"] if head_trains else 0
+            tail += T * math.ceil(mc.vocab_size / tp) * _size(mc.softmax_compute_dtype)  # log-softmax
+    if autocast and not gathered_low:
+        kept += matmul * dt["compute"]  # autocast's low-precision copies of the weights, kept for backward
+    k = _in_flight(cfg, n_micro, pp_rank)
+    return StageMemory(pp_rank, layers, params, grads, optim, k * (kept + tail), k, largest)
+
+
+def _pieces(cfg: MeshformerConfig, dims: ParallelDims, pp_rank: int) -> list:
+    """(stage index, meta-device module) of every stage this pipeline rank holds, model transforms applied."""
+    from meshformer.models import build_model
+    from meshformer.models.transforms import apply_model_transforms
+    from meshformer.parallel.pipeline import split_pipeline
+
+    model = build_model(cfg.model.model_config)
+    apply_model_transforms(model, cfg)
+    return split_pipeline(model, cfg, pp_rank) if dims.pp > 1 else [(0, model)]
+
+
+def _stages_per_rank(cfg: MeshformerConfig) -> int:
+    from meshformer.config.validate import stages_per_rank
+
+    return stages_per_rank(cfg)
+
+
+def _recomputed_layers(cfg: MeshformerConfig, pp_rank: int, layers: int) -> int:
+    rc = cfg.recompute_config.recompute
+    if rc is True:
+        return layers
+    if isinstance(rc, list):
+        return min(rc[pp_rank], layers)
+    return 0
+
+
+def plan_memory(cfg: MeshformerConfig, dims: ParallelDims, micro_batch: int, n_micro: int) -> list[StageMemory]:
+    """Every pipeline rank's predicted memory (one entry without pipeline parallelism)."""
+    return [stage_memory(cfg, dims, r, micro_batch, n_micro) for r in range(dims.pp)]

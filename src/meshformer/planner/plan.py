@@ -1,0 +1,134 @@
+"""A run's plan before it runs: memory per pipeline stage (with what estimators usually miss) and throughput.
+
+On top of planner/memory.py's model states and saved activations, a rank's peak holds:
+  logits        the last stage's logits (T x vocab / t in the compute dtype) and, below fp32, their fp32 copy for
+                the loss, alive together with the saved activations at the end of the forward pass
+  optimizer     foreach AdamW's temporaries at the step, about one more copy of what it updates (the gradients)
+  recompute     one recomputed layer's activations, made again during its backward (after the logits are freed)
+  FSDP          the gathered weights of two layers (the one computing and the one prefetched), compute dtype
+  runtime       what the framework takes before any tensor (CUDA context, one communicator per parallel
+                dimension, cuBLAS/attention workspaces), per accelerator (planner/accelerators.py)
+  reserved      the caching allocator keeps ~10% more than it hands out (fragmentation)
+Peak allocated = states + max(activations + FSDP + max(logits, recompute), optimizer temporaries); reserved =
+allocated x 1.1 + runtime, compared with the device's memory.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from meshformer.config.schema import MeshformerConfig
+from meshformer.parallel.dims import ParallelDims
+from meshformer.planner.accelerators import Accelerator
+from meshformer.planner.memory import StageMemory, plan_memory
+from meshformer.planner.throughput import Throughput, predict
+
+FRAGMENTATION = 0.10
+
+
+@dataclass
+class StagePlan:
+    memory: StageMemory
+    logits_bytes: int
+    optimizer_step_bytes: int
+    fsdp_gathered_bytes: int
+    allocated_bytes: int
+    reserved_bytes: int
+    headroom_bytes: int
+
+    def as_dict(self) -> dict:
+        return {
+            **self.memory.as_dict(),
+            "logits_bytes": self.logits_bytes,
+            "optimizer_step_bytes": self.optimizer_step_bytes,
+            "fsdp_gathered_bytes": self.fsdp_gathered_bytes,
+            "allocated_bytes": self.allocated_bytes,
+            "reserved_bytes": self.reserved_bytes,
+            "headroom_bytes": self.headroom_bytes,
+        }
+
+
+@dataclass
+class Plan:
+    cfg: MeshformerConfig
+    dims: ParallelDims
+    accelerator: Accelerator
+    device_memory: float
+    nodes: int
+    micro_batch: int
+    n_micro: int
+    stages: list[StagePlan]
+    throughput: Throughput
+
+    @property
+    def fits(self) -> bool:
+        return all(s.headroom_bytes >= 0 for s in self.stages)
+
+    def as_dict(self) -> dict:
+        t = self.throughput
+        return {
+            "layout": {
+                "data_parallel": self.dims.dp,
+                "model_parallel": self.dims.tp,
+                "pipeline_stage": self.dims.pp,
+                "optimizer_shard": self.dims.dp_shard,
+                "devices": self.dims.world_size,
+                "nodes": self.nodes,
+                "micro_batch": self.micro_batch,
+                "micro_batches_per_step": self.n_micro,
+                "global_batch": self.micro_batch * self.n_micro * self.dims.dp,
+            },
+            "accelerator": self.accelerator.name,
+            "device_memory_bytes": self.device_memory,
+            "stages": [s.as_dict() for s in self.stages],
+            "flops_per_token": t.flops_per_token,
+            "flops_per_step": t.flops_per_step,
+            "hardware_flops_per_step": t.hardware_flops_per_step,
+            "communication_bytes_per_step": {"tp": t.tp_bytes, "dp": t.dp_bytes, "pp": t.pp_bytes},
+            "bubble_fraction": t.bubble_fraction,
+            "step_time_s": t.step_time_s,
+            "tokens_per_s": t.tokens_per_s,
+            "samples_per_s": t.samples_per_s,
+            "mfu": t.mfu,
+            "fits": self.fits,
+        }
+
+
+def make_plan(
+    cfg: MeshformerConfig,
+    dims: ParallelDims,
+    acc: Accelerator,
+    micro_batch: int,
+    n_micro: int,
+    nodes: int = 1,
+    device_memory: float | None = None,
+) -> Plan:
+    mc = cfg.model.model_config
+    mem = device_memory or acc.memory_bytes
+    low = mc.compute_dtype != "float32"
+    a = 2 if low else 4
+    T = micro_batch * mc.seq_length
+    stages = []
+    layer_params = _layer_param_count(mc)
+    for st in plan_memory(cfg, dims, micro_batch, n_micro):
+        last = st.stage == dims.pp - 1 or (dims.pp > 1 and cfg.parallel_config.pipeline_schedule in _V)
+        logits = (T * math.ceil(mc.vocab_size / dims.tp) * (a + (4 if low else 0))) if last else 0
+        step_tmp = st.grads_bytes  # foreach AdamW: about one more copy of what it updates
+        gathered = 2 * layer_params // dims.tp * a if dims.dp_shard > 1 else 0
+        working = st.activations_bytes + gathered + max(logits, st.recompute_bytes)
+        allocated = st.states_bytes + max(working, step_tmp)
+        reserved = int(allocated * (1 + FRAGMENTATION) + acc.runtime_bytes)
+        stages.append(StagePlan(st, logits, step_tmp, gathered, allocated, reserved, int(mem - reserved)))
+    return Plan(
+        cfg, dims, acc, mem, nodes, micro_batch, n_micro, stages, predict(cfg, dims, acc, micro_batch, n_micro, nodes)
+    )
+
+
+_V = ("zbv_zero_bubble", "dualpipev")  # V schedules: rank 0 also holds the last stage
+
+
+def _layer_param_count(mc) -> int:
+    h, f = mc.hidden_size, mc.ffn_hidden_size
+    q, kv = mc.num_heads * mc.dim_per_head, mc.num_kv_heads * mc.dim_per_head
+    return h * q + 2 * h * kv + q * h + 3 * h * f + 2 * h

@@ -1,0 +1,129 @@
+"""FLOPs, communication and predicted step time of a layout (estimates, with their formulas).
+
+FLOP convention (the trainer's MFU uses the same, train/metrics.py): model FLOPs per token = 6 x non-embedding
+parameters + 12 x layers x heads x head_dim x seq_length (PaLM / torchtitan: the causal attention term is not
+halved). Recompute adds one forward (2/6 of the layer FLOPs) to the hardware's work but not to the model's, so it
+lowers throughput, not MFU's numerator.
+
+Communication per rank and step (ring collectives move 2(n-1)/n of the buffer for an all-reduce, (n-1)/n for an
+all-gather or reduce-scatter):
+  tensor parallel  4 all-reduces of T x h per layer and micro-batch (2 forward, 2 backward; +2 with full
+                   recompute); sequence parallel turns each into an all-gather + reduce-scatter of the same volume
+  data parallel    one all-reduce of the gradients (fp32); FSDP: all-gather of the weights in forward (and again
+                   in backward with ZeRO-3) + reduce-scatter of the gradients
+  pipeline         T x h (/ t) activations forward and their gradients backward per stage boundary and micro-batch
+Step time = compute / (1 - bubble) + tensor-parallel and pipeline transfers (on the critical path) + the part
+of the data-parallel transfers that does not hide behind the backward pass (assumed: all but 20% of compute).
+Bubble = (p - 1) / (m + p - 1) for GPipe and 1F1B, divided by v for interleaved schedules with v stages per rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from meshformer.config.schema import MeshformerConfig
+from meshformer.models.llama import param_count
+from meshformer.parallel.dims import ParallelDims
+from meshformer.planner.accelerators import MATMUL_EFFICIENCY, Accelerator
+
+
+@dataclass
+class Throughput:
+    flops_per_token: float  # model FLOPs (the MFU convention)
+    flops_per_step: float  # model FLOPs of one optimizer step, all ranks
+    hardware_flops_per_step: float  # with recompute's extra forward
+    compute_s: float  # per rank, bubble excluded
+    bubble_fraction: float
+    tp_bytes: float  # per rank and step
+    dp_bytes: float
+    pp_bytes: float
+    tp_s: float
+    dp_s: float
+    pp_s: float
+    step_time_s: float
+    tokens_per_s: float
+    samples_per_s: float
+    mfu: float
+
+
+def flops_per_token(cfg: MeshformerConfig) -> float:
+    mc = cfg.model.model_config
+    n = param_count(mc)
+    embedding = mc.vocab_size * mc.hidden_size
+    return 6 * (n - embedding) + 12 * mc.num_layers * mc.num_heads * mc.dim_per_head * mc.seq_length
+
+
+def bubble_fraction(cfg: MeshformerConfig, n_micro: int) -> float:
+    pc = cfg.parallel_config
+    p = pc.pipeline_stage
+    if p == 1:
+        return 0.0
+    v = pc.pp_interleave_num if pc.pipeline_schedule not in ("gpipe", "1f1b") else 1
+    return (p - 1) / (v * n_micro + p - 1)
+
+
+def recompute_share(cfg: MeshformerConfig) -> float:
+    """Share of decoder layers whose forward runs twice."""
+    rc = cfg.recompute_config.recompute
+    layers = cfg.model.model_config.num_layers
+    if rc is True:
+        return 1.0
+    if isinstance(rc, list):
+        return min(1.0, sum(rc) * cfg.parallel_config.pipeline_stage / max(1, layers) / max(1, len(rc)))
+    return 0.0
+
+
+def predict(
+    cfg: MeshformerConfig, dims: ParallelDims, acc: Accelerator, micro_batch: int, n_micro: int, nodes: int = 1
+) -> Throughput:
+    mc = cfg.model.model_config
+    low = mc.compute_dtype != "float32"
+    peak = acc.peak_bf16 if low else acc.peak_fp32
+    a = 2 if low else 4
+    global_batch = micro_batch * n_micro * dims.dp
+    tokens = global_batch * mc.seq_length
+    fpt = flops_per_token(cfg)
+    model_flops = fpt * tokens
+    layer_share = 1 - 6 * mc.vocab_size * mc.hidden_size * (0 if mc.tie_word_embeddings else 1) / max(fpt, 1)
+    hardware = model_flops * (1 + recompute_share(cfg) * layer_share / 3)
+    world = dims.world_size
+    compute = hardware / world / (peak * MATMUL_EFFICIENCY)
+    bubble = bubble_fraction(cfg, n_micro)
+
+    T, h, L = micro_batch * mc.seq_length, mc.hidden_size, mc.num_layers
+    layers_per_rank = L / dims.pp
+    t, d = dims.tp, dims.dp
+    calls = 4 + (2 if recompute_share(cfg) else 0)
+    tp_bytes = calls * layers_per_rank * n_micro * 2 * (t - 1) / t * T * h * a if t > 1 else 0.0
+    local_params = param_count(mc) / (t * dims.pp)
+    if d > 1 and dims.dp_shard > 1:
+        gathers = 3 if cfg.recompute_config.parallel_optimizer_comm_recompute else 2
+        dp_bytes = (d - 1) / d * local_params * (gathers * a + 4)
+    elif d > 1:
+        dp_bytes = 2 * (d - 1) / d * local_params * 4
+    else:
+        dp_bytes = 0.0
+    pp_bytes = 2 * n_micro * T * h * a / (t if cfg.parallel_config.use_seq_parallel else 1) if dims.pp > 1 else 0.0
+    per_node = max(1, world // max(1, nodes))
+    tp_bw = acc.intra_bw if t <= per_node else acc.inter_bw
+    dp_bw = acc.inter_bw if nodes > 1 else acc.intra_bw
+    pp_bw = acc.inter_bw if nodes > 1 and dims.pp > 1 else acc.intra_bw
+    tp_s, dp_s, pp_s = tp_bytes / tp_bw, dp_bytes / dp_bw, pp_bytes / pp_bw
+    step = compute / (1 - bubble) + tp_s + pp_s + max(0.0, dp_s - 0.8 * compute)
+    return Throughput(
+        fpt,
+        model_flops,
+        hardware,
+        compute,
+        bubble,
+        tp_bytes,
+        dp_bytes,
+        pp_bytes,
+        tp_s,
+        dp_s,
+        pp_s,
+        step,
+        tokens / step,
+        global_batch / step,
+        model_flops / step / (world * peak),
+    )

@@ -1,0 +1,142 @@
+"""What a rank's memory holds, by component: parameters, gradients, optimizer states and saved activations.
+
+Measured on the first step of every run, so a planner's prediction can be checked against the run itself:
+- parameters, gradients, optimizer states: exact byte sums of the distinct storages this rank holds (a DTensor
+  counts its local shard), taken right after the first optimizer update, when all three exist;
+- activations: the peak of the bytes autograd holds for backward at once (saved-tensor hooks, first step). Under
+  gradient accumulation that is one micro-batch; under a pipeline schedule, the micro-batches the stage holds in
+  flight. Parameters saved by the layers that use them are not counted again;
+- peak: on a GPU the CUDA allocator's peak; on the CPU (no allocator peak) the sum of the four.
+
+metrics.jsonl gets `mem_params_bytes`, `mem_grads_bytes`, `mem_optim_bytes`, `mem_activations_bytes` and
+`peak_mem_bytes` (the metrics rank's); `{output_dir}/memory.json` has every rank's breakdown.
+"""
+
+from __future__ import annotations
+
+import json
+import weakref
+from pathlib import Path
+
+import torch
+
+from meshformer.train.metrics import tensor_bytes
+
+
+class ActivationCounter:
+    """Live and peak bytes of the tensors autograd saves for backward, while `hooks()` is active.
+
+    A storage counts once while any saved tensor on it is alive (keyed by address and size; an address the
+    allocator reuses after a release counts again), and stops counting when the last of them is released. A
+    parameter or a view of one, and any storage of the model's parameters and buffers
+    (the rotary tables, frozen weights), is the model's, not an activation: skipped."""
+
+    def __init__(self, model_storages: set[int] | None = None):
+        self.live = 0
+        self.peak = 0
+        self._holders: dict[tuple[int, int], int] = {}
+        self._model = model_storages or set()  # addresses of the model's parameters and buffers
+
+    def _release(self, key: tuple[int, int], nbytes: int) -> None:
+        left = self._holders.get(key, 0) - 1
+        if left > 0:
+            self._holders[key] = left
+        else:
+            self._holders.pop(key, None)
+            self.live -= nbytes
+
+    def pack(self, t):
+        base = t._base if t._base is not None else t
+        if isinstance(base, torch.nn.Parameter):
+            return t  # a parameter, or a view of one (a linear saves weight.t())
+        if not (t.is_floating_point() or t.dtype == torch.bool):
+            return t  # token ids and labels: the batch, which exists anyway (often a view of all micro-batches)
+        if t.device.type == "meta":
+            return t  # a pipeline stage infers shapes with a forward pass on the meta device: no memory
+        local = t._local_tensor if hasattr(t, "_local_tensor") else t  # a DTensor: its shard
+        if isinstance(getattr(local, "elem", None), torch.Tensor):
+            local = local.elem  # a wrapper subclass (AsyncCollectiveTensor): the tensor it wraps
+        try:
+            st = local.untyped_storage()
+            key, nbytes = (st.data_ptr(), st.nbytes()), st.nbytes()
+            if key[0] in self._model:  # a buffer (the rotary tables) or a frozen weight: the model's memory
+                return t
+            weakref.finalize(t, self._release, key, nbytes)
+        except (RuntimeError, NotImplementedError, TypeError):
+            return t
+        if key in self._holders:
+            self._holders[key] += 1
+        else:
+            self._holders[key] = 1
+            self.live += nbytes
+            self.peak = max(self.peak, self.live)
+        return t
+
+    def hooks(self):
+        return torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t)
+
+
+class MemoryMeter:
+    """A rank's memory breakdown from its first step on (see the module docstring)."""
+
+    def __init__(self, env, parts, optimizer):
+        self.env, self.parts, self.optimizer = env, parts, optimizer
+        self.counter: ActivationCounter | None = None
+        self.state: dict[str, int] | None = None
+        self.activations = 0
+        self._written = False
+
+    def capture(self):
+        """Saved-tensor hooks for this step's forward/backward (first step only), else None."""
+        if self.state is not None:
+            return None
+        model = [*self.parts.parameters(), *(b for part in self.parts.parts for b in part.buffers())]
+        locals_ = (t.to_local() if hasattr(t, "to_local") else t for t in model)
+        self.counter = ActivationCounter({t.untyped_storage().data_ptr() for t in locals_})
+        return self.counter.hooks()
+
+    def after_update(self) -> None:
+        """Right after the first optimizer update: parameters, gradients and optimizer states all exist."""
+        if self.state is not None:
+            return
+        params = list(self.parts.parameters())
+        self.state = {
+            "params_bytes": tensor_bytes(params),
+            "grads_bytes": tensor_bytes(p.grad for p in params),
+            "optimizer_bytes": tensor_bytes(self.optimizer.state_tensors()),
+        }
+
+    def record(self) -> dict[str, int]:
+        """The metrics.jsonl fields of this step."""
+        if self.counter is not None:
+            self.activations, self.counter = self.counter.peak, None
+        s = self.state or {"params_bytes": 0, "grads_bytes": 0, "optimizer_bytes": 0}
+        if self.env.device.type == "cuda":
+            peak = torch.cuda.max_memory_allocated(self.env.device)
+        else:
+            peak = s["params_bytes"] + s["grads_bytes"] + s["optimizer_bytes"] + self.activations
+        return {
+            "peak_mem_bytes": peak,
+            "mem_params_bytes": s["params_bytes"],
+            "mem_grads_bytes": s["grads_bytes"],
+            "mem_optim_bytes": s["optimizer_bytes"],
+            "mem_activations_bytes": self.activations,
+        }
+
+    def write_report(self, out_dir: Path, record: dict[str, int]) -> None:
+        """Every rank's breakdown into {out_dir}/memory.json, once (a collective: every rank calls it)."""
+        if self._written:
+            return
+        self._written = True
+        mine = {
+            "stage": self.env.pp_rank,
+            "params_bytes": record["mem_params_bytes"],
+            "grads_bytes": record["mem_grads_bytes"],
+            "optimizer_bytes": record["mem_optim_bytes"],
+            "activations_bytes": record["mem_activations_bytes"],
+            "peak_bytes": record["peak_mem_bytes"],
+        }
+        ranks = self.env.all_gather_object(mine)
+        if self.env.rank == 0:
+            report = {str(r): v for r, v in enumerate(ranks)}
+            (Path(out_dir) / "memory.json").write_text(json.dumps(report, indent=1) + "\n")

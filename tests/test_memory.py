@@ -1,0 +1,117 @@
+"""Memory: what a run measures by component (train/memory.py) and what the planner predicts (planner/), checked
+against each other. The parallel layouts' measured bytes come from the parity suite's launches
+(tests/test_parallel.py::test_planner_predicts_every_layout)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import ROOT, tiny_overrides
+from meshformer.config import load_config
+from meshformer.parallel.dims import ParallelDims
+from meshformer.planner.memory import plan_memory
+
+STATES_RTOL, ACTIVATIONS_RTOL = 0.02, 0.10
+
+
+def compare(measured: dict, predicted) -> list[str]:
+    """Mismatches between a rank's measured breakdown (metrics field names) and its prediction."""
+    bad = []
+    for field, key, tol in (
+        ("mem_params_bytes", "params_bytes", STATES_RTOL),
+        ("mem_grads_bytes", "grads_bytes", STATES_RTOL),
+        ("mem_optim_bytes", "optimizer_bytes", STATES_RTOL),
+        ("mem_activations_bytes", "activations_bytes", ACTIVATIONS_RTOL),
+    ):
+        got, want = measured[field], getattr(predicted, key)
+        if abs(want - got) > tol * max(got, 1):
+            bad.append(f"{key}: predicted {want:,} measured {got:,} ({want / max(got, 1):.3f}x)")
+    return bad
+
+
+CASES = {
+    "fp32": {},
+    "full recompute": {"recompute_config.recompute": True},
+    "accumulation 4": {"runner_config.gradient_accumulation_steps": 4},
+    "bf16 autocast": {"model.model_config.compute_dtype": "bfloat16"},
+    "q/k norm, tied": {"model.model_config.use_qk_norm": True, "model.model_config.tie_word_embeddings": True},
+    "lora": {"model.model_config.pet_method": "lora"},
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_one_process_run_reports_its_memory_and_the_planner_predicts_it(tiny_dataset, tmp_path, name):
+    from meshformer.train.trainer import run_training
+
+    extra = {"runner_config.stop_step": 2, "model.model_config.seq_length": 64, **CASES[name]}
+    cfg = load_config(None, tiny_overrides(tiny_dataset, tmp_path / "run", extra))
+    last = run_training(cfg)
+    report = json.loads((tmp_path / "run" / "memory.json").read_text())
+    assert list(report) == ["0"] and report["0"]["stage"] == 0
+    rank = report["0"]
+    measured = {f"mem_{k.replace('optimizer', 'optim')}": v for k, v in rank.items() if k.endswith("_bytes")}
+    for key in ("mem_params_bytes", "mem_grads_bytes", "mem_optim_bytes", "mem_activations_bytes"):
+        assert last[key] == measured[key] > 0
+    # On the CPU the peak is the sum of the parts (no allocator peak to read).
+    assert last["peak_mem_bytes"] == sum(last[k] for k in measured if k != "mem_peak_bytes")
+    predicted = plan_memory(cfg, ParallelDims.from_config(cfg, 1), 4, cfg.runner_config.gradient_accumulation_steps)
+    assert compare(last, predicted[0]) == []
+
+
+# ---- the seed's 7B figures through `meshformer plan` ------------------------------------------------------------
+
+SEED = "configs/seed_pretrain_skeleton.yaml"  # section 3.3 as written: 7B Llama, dp2 x mp2 x pp2, 8 micro-batches
+ONE_CARD = ["--parallel_config.data_parallel", "1", "--parallel_config.model_parallel", "1"]
+ONE_CARD += ["--parallel_config.pipeline_stage", "1"]
+BF16 = ["--model.model_config.compute_dtype", "bfloat16"]
+
+
+def plan_json(capsys, *argv) -> dict:
+    from meshformer.cli.main import main
+
+    capsys.readouterr()
+    assert main(["plan", str(ROOT / SEED), "--json", *argv]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_seed_7b_states_are_16_bytes_a_parameter(capsys):
+    from meshformer.models.llama import param_count
+
+    plan = plan_json(capsys, "--devices", "1", *ONE_CARD, *BF16)
+    n = param_count(load_config(str(ROOT / SEED)).model.model_config)
+    stage = plan["stages"][0]
+    states = stage["params_bytes"] + stage["grads_bytes"] + stage["optimizer_bytes"]
+    # fp32 master weights (4) + fp32 gradients (4) + AdamW's two fp32 moments (8): the seed's 7B -> 112 GB
+    assert abs(states / (16 * n) - 1) < 1e-3 and 105e9 < states < 113e9
+    assert abs(stage["optimizer_bytes"] / (8 * n) - 1) < 1e-3  # the seed's 56 GB of moments
+    assert not plan["fits"]
+
+
+def test_seed_7b_layout_fits_8_cards_with_sharding_and_lora_fits_24_gb(capsys):
+    as_written = plan_json(capsys)
+    assert not as_written["fits"]  # fp32 compute (the skeleton sets no compute_dtype), nothing sharded
+    sharded = plan_json(capsys, *BF16, "--parallel_config.optimizer_shard", "true")
+    assert sharded["fits"] and len(sharded["stages"]) == 2
+    assert sharded["layout"]["devices"] == 8 and sharded["device_memory_bytes"] == 80e9
+    lora = ["--model.model_config.param_init_type", "bfloat16", "--model.model_config.pet_method", "lora"]
+    lora += ["--train_dataset.batch_size", "1", "--recompute_config.recompute", "true"]
+    one = plan_json(capsys, "--devices", "1", "--device-memory", "24", *ONE_CARD, *BF16, *lora)
+    assert one["fits"] and one["stages"][0]["reserved_bytes"] < 24e9
+    full = plan_json(capsys, "--devices", "1", "--device-memory", "24", *ONE_CARD, *BF16, *lora[:2], *lora[4:])
+    assert not full["fits"]  # the same without LoRA does not
+
+
+def test_plan_bad_input_is_one_line(capsys):
+    from meshformer.cli.main import main
+
+    for argv, needle in (
+        (["--accelerator", "TPU9"], "--accelerator 'TPU9'"),
+        (["--devices", "6"], "parallel_config"),
+        (["--nodes", "3"], "--nodes 3"),
+    ):
+        capsys.readouterr()
+        assert main(["plan", str(ROOT / SEED), *argv]) == 2
+        err = capsys.readouterr().err.strip()
+        assert needle in err and "\n" not in err, err
