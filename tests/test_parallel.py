@@ -510,21 +510,25 @@ def test_dead_rank_fails_fast_and_is_named(tmp_path):
 # ---- the planner against the memory these layouts measured ---------------------------------------------------
 
 
-def test_planner_predicts_every_layout(results2, results4):
-    """Every rank of every layout above without pipeline parallelism (dp, tp +- sequence parallel, FSDP, HSDP,
-    dp x tp; recompute, accumulation; LoRA, bf16, tied, packed rows): the planner's parameters, gradients and
-    optimizer states within 2% of the bytes the rank held after its first step, its saved activations within 10%
-    of the measured peak (tests/test_memory.py: the same for one process). Pipeline ranks hold several
-    micro-batches in flight in schedule-specific patterns the planner does not model exactly yet."""
+SPLIT_BACKWARD = ("interleaved_zero_bubble", "zbv_zero_bubble", "dualpipev")  # not modelled exactly yet
+
+
+def test_planner_predicts_every_layout(results2, results4, results8):
+    """Every rank of every layout above (dp, tp +- sequence parallel, FSDP, HSDP, pipelines under GPipe, 1F1B,
+    interleaved 1F1B and looped BFS, their 2-D and 3-D combinations; recompute, accumulation; LoRA, bf16, tied,
+    packed rows): the planner's parameters, gradients and optimizer states within 2% of the bytes the rank held,
+    its saved activations within 10% of the measured peak (tests/test_memory.py: the same for one process).
+    Schedules that split the backward (zero bubble, DualPipeV) keep autograd graphs past their weight step in ways
+    the planner does not replay yet: docs/memory.md."""
     from meshformer.parallel.dims import ParallelDims
     from meshformer.planner.memory import plan_memory
     from test_memory import compare
 
     bad, checked = [], 0
-    for world, results in ((2, results2), (4, results4)):
+    for world, results in ((2, results2), (4, results4), (8, results8)):
         for key, measured in sorted(results.items()):
             case, variant, *memory = key.split(":")
-            if not memory or harness.CASES[case][0].get(harness.P + "pipeline_stage", 1) > 1:
+            if not memory or harness.CASES[case][0].get(harness.P + "pipeline_schedule") in SPLIT_BACKWARD:
                 continue
             cfg = harness.make_cfg({**harness.VARIANTS[variant], **harness.CASES[case][0]})
             dims = ParallelDims.from_config(cfg, world)
@@ -532,5 +536,5 @@ def test_planner_predicts_every_layout(results2, results4):
             stages = plan_memory(cfg, dims, harness.GLOBAL_BATCH // dims.dp // n_micro, n_micro)
             bad += [f"{case}:{variant} rank {memory[1]}: {b}" for b in compare(measured, stages[measured["stage"]])]
             checked += 1
-    assert checked >= 80
+    assert checked >= 200
     assert not bad, "\n".join(bad)

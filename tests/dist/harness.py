@@ -164,7 +164,7 @@ def batches(packed: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
 
 
 def run(cfg, env, n_micro: int, transforms=None, packed: bool = False) -> tuple[list[tuple[float, float]], dict]:
-    """(loss and grad norm of every step, then the eval loss; this rank's memory breakdown after the first step)."""
+    """(loss and grad norm of every step, then the eval loss; this rank's memory breakdown after the second step)."""
     built = build_parts(cfg, env, transforms)
     opt = Optimizers(built.parts.parts, cfg)
     meter = MemoryMeter(env, built.parts, opt)
@@ -182,7 +182,8 @@ def run(cfg, env, n_micro: int, transforms=None, packed: bool = False) -> tuple[
                        n_micro=n_micro, ignore_index=ignore, max_grad_norm=clip_threshold(cfg), documents=docs(step),
                        capture=meter.capture(), after_update=meter.after_update)
         out.append((r.loss, r.grad_norm))
-        memory = memory or {"stage": env.pp_rank, **meter.record()}
+        if step < 2:  # the second step's measurement (train/memory.py: MEASURED_STEPS)
+            memory = {"stage": env.pp_rank, **meter.record()}
     # Validation loss after training (forward only): the first global batch again.
     first = [(inputs[0, rows].to(env.device), labels[0, rows].to(env.device), docs(0))]
     out.append((evaluate(built.parts, env, first, per // n_micro, ignore), 0.0))

@@ -2,7 +2,7 @@
 
 usage: torchrun --nproc-per-node N tests/dist/parity_worker.py OUT.json CASE[:VARIANT] ...
 The metrics rank of each case writes {"CASE:VARIANT": [[loss, grad_norm], ...]} into OUT.json, and every rank
-its memory breakdown after the first step as {"CASE:VARIANT:memory:RANK": {...}} (train/memory.py's fields).
+its memory breakdown after the second step as {"CASE:VARIANT:memory:RANK": {...}} (train/memory.py's fields).
 """
 
 import json

@@ -100,6 +100,10 @@ class ModelParts:
         with self.loss_context(), self.autocast():
             return _local(self.loss_fn(_call(self.parts[0], inputs, documents), labels)).float()
 
+    def persistent_buffers(self) -> list[torch.Tensor]:
+        """Activation-sized buffers that live through every step (none without pipeline parallelism)."""
+        return []
+
     def grad_norm(self, groups: dict | None = None) -> torch.Tensor:
         """Global L2 norm of all gradients over every rank's pieces (tp/dp via DTensor, pp via all-reduce)."""
         sq = torch.zeros((), device=self.env.device, dtype=torch.float32)

@@ -68,6 +68,16 @@ class PipelineParts(ModelParts):
                 total += v
         return total
 
+    def persistent_buffers(self) -> list[torch.Tensor]:
+        """The buffers each later stage receives its micro-batches' inputs into (one per micro-batch, made on the
+        first step and kept): memory accounting counts them whether or not a saved tensor is a view of them."""
+        out = []
+        for sched in self._schedules.values():
+            for stage in getattr(sched, "_stages", None) or [sched._stage]:
+                for infos in stage.args_recv_info.values():
+                    out += [r.buffer for r in infos if isinstance(getattr(r, "buffer", None), torch.Tensor)]
+        return out
+
     @torch.no_grad()
     def eval_loss(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Summed token loss on the last stage (0 elsewhere), forward only.

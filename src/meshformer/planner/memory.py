@@ -236,8 +236,10 @@ def stage_memory(
     casts = residual > dt["compute"]
     layer_input = T * mc.hidden_size * residual // (tp if sp else 1)
     n_stages = pc.pipeline_stage * _stages_per_rank(cfg)
-    kept = largest = tail = 0
+    largest = 0
+    per_stage, buffer = {}, {}  # bytes a micro-batch leaves saved on each stage; a later stage's received input
     for s, piece in pieces:
+        kept = 0
         grad = s > 0 or any(p.requires_grad for p in piece.embed_tokens.parameters())
         n_rc = _recomputed_layers(cfg, pp_rank, len(piece.layers))
         for i, layer in enumerate(piece.layers.values()):
@@ -253,13 +255,30 @@ def stage_memory(
             head = piece.lm_head if piece.lm_head is not None else piece.embed_tokens
             head_trains = any(p.requires_grad for p in head.parameters())
             norm_trains = any(p.requires_grad for p in piece.norm.parameters())
-            tail += _norm_bytes(T // tp if sp else T, h, dt["norm"], grad, norm_trains)
-            tail += T * h * dt["compute"] if head_trains else 0
-            tail += T * math.ceil(mc.vocab_size / tp) * _size(mc.softmax_compute_dtype)  # log-softmax
+            kept += _norm_bytes(T // tp if sp else T, h, dt["norm"], grad, norm_trains)
+            kept += T * h * dt["compute"] if head_trains else 0
+            kept += T * math.ceil(mc.vocab_size / tp) * _size(mc.softmax_compute_dtype)  # log-softmax
+        per_stage[s] = kept
+        # Every micro-batch's input arrives in a buffer of its own, alive through the step; an in-flight one is
+        # its first layer's input (counted in `kept`).
+        buffer[s] = layer_input if s > 0 else 0
+    actions = None
+    if dims.pp > 1:
+        from meshformer.parallel.pipeline import stage_ids
+        from meshformer.planner.schedule import peak_live, rank_actions
+
+        actions = rank_actions(
+            pc.pipeline_schedule, dims.pp, _stages_per_rank(cfg), n_micro, pp_rank, tuple(stage_ids(cfg, pp_rank))
+        )
+    if actions is not None:
+        live, k = peak_live(actions, {s: per_stage[s] - buffer[s] for s in per_stage})
+    else:
+        k = _in_flight(cfg, n_micro, pp_rank)
+        live = sum(k * (per_stage[s] - buffer[s]) for s in per_stage)
+    activations = live + (n_micro * sum(buffer.values()) if dims.pp > 1 else 0)
     if autocast and not gathered_low:
-        kept += matmul * dt["compute"]  # autocast's low-precision copies of the weights, kept for backward
-    k = _in_flight(cfg, n_micro, pp_rank)
-    return StageMemory(pp_rank, layers, params, grads, optim, k * (kept + tail), k, largest)
+        activations += matmul * dt["compute"]  # autocast's low-precision weight copies, one per autocast region
+    return StageMemory(pp_rank, layers, params, grads, optim, activations, k, largest)
 
 
 def _pieces(cfg: MeshformerConfig, dims: ParallelDims, pp_rank: int) -> list:

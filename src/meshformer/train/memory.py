@@ -3,7 +3,8 @@
 Measured on the first step of every run, so a planner's prediction can be checked against the run itself:
 - parameters, gradients, optimizer states: exact byte sums of the distinct storages this rank holds (a DTensor
   counts its local shard), taken right after the first optimizer update, when all three exist;
-- activations: the peak of the bytes autograd holds for backward at once (saved-tensor hooks, first step). Under
+- activations: the peak of the bytes autograd holds for backward at once (saved-tensor hooks, second step, or the
+  first in a one-step run: a pipeline stage's first step also runs torch's shape-inference forward). Under
   gradient accumulation that is one micro-batch; under a pipeline schedule, the micro-batches the stage holds in
   flight. Parameters saved by the layers that use them are not counted again;
 - peak: on a GPU the CUDA allocator's peak; on the CPU (no allocator peak) the sum of the four.
@@ -72,27 +73,45 @@ class ActivationCounter:
             self.peak = max(self.peak, self.live)
         return t
 
+    def hold(self, tensors) -> None:
+        """Count storages that stay alive through the step whatever autograd does (a pipeline stage's buffers for
+        the inputs it receives, one per micro-batch, which saved tensors may or may not be views of)."""
+        for t in tensors:
+            st = t.untyped_storage()
+            key = (st.data_ptr(), st.nbytes())
+            if key not in self._holders:
+                self.live += st.nbytes()
+                self.peak = max(self.peak, self.live)
+            self._holders[key] = self._holders.get(key, 0) + 1  # one count never released
+
     def hooks(self):
         return torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t)
 
 
+# Activations are measured on the first two steps and the second is reported: a pipeline stage's first step also
+# runs a set-up forward (torch infers the shapes it sends) whose saved tensors live through that step only.
+MEASURED_STEPS = 2
+
+
 class MemoryMeter:
-    """A rank's memory breakdown from its first step on (see the module docstring)."""
+    """A rank's memory breakdown from its first steps on (see the module docstring)."""
 
     def __init__(self, env, parts, optimizer):
         self.env, self.parts, self.optimizer = env, parts, optimizer
         self.counter: ActivationCounter | None = None
         self.state: dict[str, int] | None = None
         self.activations = 0
-        self._written = False
+        self.measured = 0  # steps whose activations were measured
+        self._written = 0
 
     def capture(self):
-        """Saved-tensor hooks for this step's forward/backward (first step only), else None."""
-        if self.state is not None:
+        """Saved-tensor hooks for this step's forward/backward (the first MEASURED_STEPS steps), else None."""
+        if self.measured >= MEASURED_STEPS:
             return None
         model = [*self.parts.parameters(), *(b for part in self.parts.parts for b in part.buffers())]
         locals_ = (t.to_local() if hasattr(t, "to_local") else t for t in model)
         self.counter = ActivationCounter({t.untyped_storage().data_ptr() for t in locals_})
+        self.counter.hold(self.parts.persistent_buffers())
         return self.counter.hooks()
 
     def after_update(self) -> None:
@@ -110,6 +129,7 @@ class MemoryMeter:
         """The metrics.jsonl fields of this step."""
         if self.counter is not None:
             self.activations, self.counter = self.counter.peak, None
+            self.measured += 1
         s = self.state or {"params_bytes": 0, "grads_bytes": 0, "optimizer_bytes": 0}
         if self.env.device.type == "cuda":
             peak = torch.cuda.max_memory_allocated(self.env.device)
@@ -124,10 +144,11 @@ class MemoryMeter:
         }
 
     def write_report(self, out_dir: Path, record: dict[str, int]) -> None:
-        """Every rank's breakdown into {out_dir}/memory.json, once (a collective: every rank calls it)."""
-        if self._written:
+        """Every rank's breakdown into {out_dir}/memory.json after each measured step (a collective: every rank
+        calls it; the last write holds the steady state)."""
+        if self._written >= self.measured:
             return
-        self._written = True
+        self._written = self.measured
         mine = {
             "stage": self.env.pp_rank,
             "params_bytes": record["mem_params_bytes"],
