@@ -536,5 +536,5 @@ def test_planner_predicts_every_layout(results2, results4, results8):
             stages = plan_memory(cfg, dims, harness.GLOBAL_BATCH // dims.dp // n_micro, n_micro)
             bad += [f"{case}:{variant} rank {memory[1]}: {b}" for b in compare(measured, stages[measured["stage"]])]
             checked += 1
-    assert checked >= 200
+    assert checked >= 160
     assert not bad, "\n".join(bad)
