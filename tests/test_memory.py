@@ -34,6 +34,8 @@ def compare(measured: dict, predicted) -> list[str]:
 CASES = {
     "fp32": {},
     "full recompute": {"recompute_config.recompute": True},
+    "selective recompute": {"recompute_config.select_recompute": True},
+    "full and selective": {"recompute_config.recompute": [1], "recompute_config.select_recompute": True},
     "accumulation 4": {"runner_config.gradient_accumulation_steps": 4},
     "bf16 autocast": {"model.model_config.compute_dtype": "bfloat16"},
     "q/k norm, tied": {"model.model_config.use_qk_norm": True, "model.model_config.tie_word_embeddings": True},
@@ -113,5 +115,24 @@ def test_plan_bad_input_is_one_line(capsys):
     ):
         capsys.readouterr()
         assert main(["plan", str(ROOT / SEED), *argv]) == 2
+        err = capsys.readouterr().err.strip()
+        assert needle in err and "\n" not in err, err
+
+
+def test_select_recompute_forms_and_bad_ones(capsys):
+    """MindSpore's dict form selects layers per stage; a key naming nothing recomputable, or a count list of the
+    wrong length, is one line."""
+    from meshformer.cli.main import main
+    from meshformer.parallel.recompute import selective_plan
+
+    assert selective_plan({"feed_forward\\.mul": [3, 1], "feed_forward\\.w1\\.activation\\.silu": [2, 2]}, 0, 4)[0] == 3
+    assert selective_plan([1, 2], 1, 4)[0] == 2 and selective_plan(True, 0, 4)[0] == 4
+    empty = str(ROOT / "tests" / "empty.yaml")
+    for value, needle in (
+        ("{'attention\\.flash': [1]}", "names no operation meshformer can recompute"),
+        ("[1, 2]", "recompute_config.select_recompute=[1, 2]: give one non-negative layer count per pipeline stage"),
+    ):
+        capsys.readouterr()
+        assert main(["config", "check", empty, "--recompute_config.select_recompute", value]) == 2
         err = capsys.readouterr().err.strip()
         assert needle in err and "\n" not in err, err

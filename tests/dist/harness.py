@@ -56,6 +56,11 @@ CASES = {
        for s in ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble", "zbv_zero_bubble",
                  "dualpipev") for rc in ("", "_rc")},
     "pp2_1f1b_rc_accum": ({P + "pipeline_stage": 2, P + "micro_batch_num": 4, "recompute_config.recompute": [1, 2]}, 8),
+    # selective recompute (keep matmul/attention/collective outputs, recompute the element-wise work)
+    "dp2_sel_accum": ({P + "data_parallel": 2, "recompute_config.select_recompute": True}, 2),
+    "tp2_sp_sel": ({P + "model_parallel": 2, P + "use_seq_parallel": True, "recompute_config.select_recompute": True}, 1),
+    "fsdp2_sel": ({P + "data_parallel": 2, P + "optimizer_shard": True, "recompute_config.select_recompute": True}, 1),
+    "pp2_1f1b_sel": ({P + "pipeline_stage": 2, P + "micro_batch_num": 4, "recompute_config.select_recompute": [1, 2]}, 4),
     # 4 processes
     "dp4": ({P + "data_parallel": 4}, 1),
     "tp4_sp": ({P + "model_parallel": 4, P + "use_seq_parallel": True}, 1),
@@ -67,6 +72,8 @@ CASES = {
     "hsdp2x2_accum": ({P + "data_parallel": 4, "optimizer.optimizer_parallel": 2}, 2),
     "dp2xtp2": ({P + "data_parallel": 2, P + "model_parallel": 2}, 2),
     "dp2xtp2_rc": ({P + "data_parallel": 2, P + "model_parallel": 2, "recompute_config.recompute": True}, 1),
+    "dp2xtp2_rc_sel": ({P + "data_parallel": 2, P + "model_parallel": 2, "recompute_config.recompute": [2],
+                        "recompute_config.select_recompute": True}, 2),
     "fsdp2xtp2_sp_rc": ({P + "data_parallel": 2, P + "model_parallel": 2, P + "use_seq_parallel": True,
                          "parallel.enable_parallel_optimizer": True, "recompute_config.recompute": True}, 1),
     "tp2xpp2_sp": ({P + "model_parallel": 2, P + "pipeline_stage": 2, P + "micro_batch_num": 4,

@@ -333,8 +333,10 @@ class RecomputeConfig:
     recompute: bool | list = setting(
         False, "Activation recomputation: true for every layer, or a per-stage list of layer counts."
     )
-    select_recompute: bool | dict = setting(
-        False, "Selective recomputation (accepted; meshformer recomputes whole layers)."
+    select_recompute: bool | list | dict = setting(
+        False,
+        "Selective recomputation (keep matmul/attention outputs, recompute element-wise work): true, per-stage "
+        "layer counts, or MindSpore's {op pattern: counts}.",
     )
     parallel_optimizer_comm_recompute: bool = setting(
         False, "Recompute optimizer-shard all-gathers in backward (FSDP reshards)."

@@ -45,14 +45,21 @@ def validate_config(cfg: MeshformerConfig) -> None:
     if mc.pet_method == "lora":  # the short form switches LoRA on with pet_config's (default) settings
         mc.pet_config.pet_type = "lora"
     validate_layout(cfg, world_size=None)
-    rc = cfg.recompute_config.recompute
     pp = cfg.parallel_config.pipeline_stage
-    if isinstance(rc, list):
-        if len(rc) != pp or not all(isinstance(x, int) and x >= 0 for x in rc):
+    sel = cfg.recompute_config.select_recompute
+    counts = {"recompute": cfg.recompute_config.recompute, "select_recompute": sel}
+    if isinstance(sel, dict):
+        counts |= {f"select_recompute[{k!r}]": v for k, v in sel.items() if not isinstance(v, bool)}
+    for name, rc in counts.items():
+        if isinstance(rc, list) and (len(rc) != pp or not all(isinstance(x, int) and x >= 0 for x in rc)):
             raise UserError(
-                f"recompute_config.recompute={rc}: give one non-negative layer count per pipeline stage "
+                f"recompute_config.{name}={rc}: give one non-negative layer count per pipeline stage "
                 f"({pp} numbers), or true/false"
             )
+    if isinstance(sel, dict):
+        from meshformer.parallel.recompute import selective_plan
+
+        selective_plan(sel, 0, 0)  # names an operation it can recompute, or one line saying which it cannot
     ls = cfg.lr_schedule
     if ls.total_steps == 0 or ls.total_steps < -1:
         raise UserError(

@@ -26,7 +26,8 @@ def parallelize(model: nn.Module, cfg: MeshformerConfig, env: ParallelEnv, loss_
     for _, part in pieces:
         if env.tp_size > 1:
             apply_tp(part, env.submesh("tp"), model.tp_plan(), cfg.parallel_config.use_seq_parallel)
-        apply_recompute(part, cfg.recompute_config.recompute, stage_index=env.pp_rank)
+        rc = cfg.recompute_config
+        apply_recompute(part, rc.recompute, stage_index=env.pp_rank, select=rc.select_recompute)
         apply_data_parallel(part, cfg, env)
     if env.pp_size > 1:
         return PipelineParts([p for _, p in pieces], [s for s, _ in pieces], cfg, env, loss_fn)

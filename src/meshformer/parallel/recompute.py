@@ -1,29 +1,128 @@
-"""Activation recomputation: wrap decoder layers so their activations are recomputed in backward.
+"""Activation recomputation: wrap decoder layers so (some of) their activations are recomputed in backward.
 
-`recompute_config.recompute` is `true` (every layer), `false`, or MindSpore's per-stage list of layer counts
-(`[7, 7]`: the first 7 layers of each stage's part; with virtual pipeline stages, of each part on that rank).
+Full: `recompute_config.recompute` is `true` (every layer), `false`, or MindSpore's per-stage list of layer counts
+(`[7, 7]`: the first 7 layers of each stage's part; with virtual pipeline stages, of each part on that rank). A
+fully recomputed layer keeps only its input and runs its forward again in backward.
+
+Selective (`select_recompute`, op-level, torch's selective activation checkpointing): the layer keeps the
+outputs of its matmuls, of attention (SDPA) and of collectives, and recomputes the cheap element-wise work between
+them (RMSNorm internals, rotary, SiLU, the SwiGLU product, residual adds): most of the memory of the norms and the
+MLP for a few percent of the FLOPs. `true` selects every layer, a list counts layers per stage as for
+`recompute`, and MindSpore's dict form (`{'feed_forward\\.mul': [14, 14], 'feed_forward\\.w1\\.activation\\.silu':
+[14, 14]}`) selects the layers its counts name; its keys must name element-wise operations (mul, silu, add, norm,
+...), all of which the policy recomputes (keeping everything but the named ones would keep more than no
+recompute: the policy keeps every output it is told to keep). A layer counted by both is fully recomputed.
 
 `parallelize` applies it after tensor parallelism and before FSDP: the wrapper then recomputes the layer's
-TP collectives too (MindSpore's mp_comm_recompute), and FSDP's per-layer unit contains the wrapper, so
-backward re-gathers (ZeRO-3) before recomputing. Parameter names gain `_checkpoint_wrapped_module.`, which
-models.init.canonical_name and torch.distributed.checkpoint strip.
+TP collectives too under full recompute (MindSpore's mp_comm_recompute), and FSDP's per-layer unit contains the
+wrapper, so backward re-gathers (ZeRO-3) before recomputing. Parameter names gain `_checkpoint_wrapped_module.`,
+which models.init.canonical_name and torch.distributed.checkpoint strip.
 """
 
 from __future__ import annotations
 
+import re
+from collections import defaultdict
+from functools import partial
+
+import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+from meshformer.errors import UserError
+
+aten = torch.ops.aten
+
+# Kept by selective recompute: the expensive results (matmuls, attention) and collectives (recomputing one would
+# communicate again).
+SAVED_OPS = {
+    aten.mm,
+    aten.addmm,
+    aten.bmm,
+    aten._scaled_dot_product_flash_attention,
+    aten._scaled_dot_product_flash_attention_for_cpu,
+    aten._scaled_dot_product_efficient_attention,
+    aten._scaled_dot_product_cudnn_attention,
+}
+for _name in ("all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor", "all_to_all_single"):
+    if hasattr(torch.ops, "_c10d_functional") and hasattr(torch.ops._c10d_functional, _name):
+        SAVED_OPS.add(getattr(torch.ops._c10d_functional, _name))
+
+# MindSpore select_recompute dict keys name cells and operators (`feed_forward\.mul`). Every one of them is
+# element-wise work the selective policy recomputes anyway, so a dict decides which layers, not which operations.
+MINDSPORE_OPS = ("mul", "silu", "activation", "reshape", "add", "norm", "cast", "softmax")
 
 
-def apply_recompute(model: nn.Module, recompute: bool | list, stage_index: int = 0) -> int:
-    """Wrap the first N layers of this part in non-reentrant checkpointing; returns N."""
+# Called with every tensor selective recompute keeps (memory accounting listens: train/memory.py). The policy's
+# kept outputs live in the checkpoint's own storage, not in autograd's saved tensors, so saved-tensor hooks miss
+# them; the storage below reports each as it is kept, and it is released when the recompute consumes it.
+KEPT_LISTENERS: list = []
+
+
+class _ReportingSlots(dict):
+    def __setitem__(self, idx, value) -> None:
+        super().__setitem__(idx, value)
+        if KEPT_LISTENERS:
+            for kept in torch.utils._pytree.tree_leaves(value):
+                t = getattr(kept, "val", None)
+                if isinstance(t, torch.Tensor):
+                    for listener in KEPT_LISTENERS:
+                        listener(t)
+
+
+class _ReportingStorage(defaultdict):
+    def __init__(self):
+        super().__init__(_ReportingSlots)
+
+
+def _selective_contexts(policy):
+    forward, recompute = create_selective_checkpoint_contexts(policy)
+    if hasattr(forward, "storage") and hasattr(recompute, "storage"):
+        forward.storage = recompute.storage = _ReportingStorage()
+    return forward, recompute
+
+
+def _save_matmuls(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    packet = getattr(op, "overloadpacket", op)
+    return CheckpointPolicy.MUST_SAVE if packet in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _count(setting, stage_index: int, n_layers: int) -> int:
+    """Layers of this part a recompute setting covers: true -> all, [n per stage] -> n, false -> 0."""
+    if setting is True:
+        return n_layers
+    if isinstance(setting, list):
+        return min(int(setting[stage_index]), n_layers)
+    return 0
+
+
+def selective_plan(select, stage_index: int, n_layers: int) -> tuple[int, object]:
+    """(layers of this part recomputed selectively, the policy function) of a select_recompute setting."""
+    if isinstance(select, dict):
+        counts = 0
+        for pattern, layers in select.items():
+            if not any(re.search(rf"\b{w}\b", str(pattern).replace("\\", "")) for w in MINDSPORE_OPS):
+                raise UserError(
+                    f"recompute_config.select_recompute: {pattern!r} names no operation meshformer can recompute "
+                    f"selectively: use keys naming {', '.join(MINDSPORE_OPS)} (e.g. 'feed_forward\\.mul'), or true"
+                )
+            counts = max(counts, _count(layers if isinstance(layers, list) else bool(layers), stage_index, n_layers))
+        return counts, _save_matmuls
+    return _count(select, stage_index, n_layers), _save_matmuls
+
+
+def apply_recompute(model: nn.Module, recompute: bool | list, stage_index: int = 0, select=False) -> tuple[int, int]:
+    """Wrap the first layers of this part in (non-reentrant) checkpointing, full then selective; returns the
+    counts (full, selective)."""
     layers = model.layers
-    if recompute is True:
-        n = len(layers)
-    elif isinstance(recompute, list):
-        n = min(recompute[stage_index], len(layers))
-    else:
-        n = 0
-    for key in list(layers.keys())[:n]:
-        layers[key] = checkpoint_wrapper(layers[key], preserve_rng_state=False)
-    return n
+    keys = list(layers.keys())
+    n_full = _count(recompute, stage_index, len(keys))
+    n_select, policy = selective_plan(select, stage_index, len(keys))
+    for i, key in enumerate(keys):
+        if i < n_full:
+            layers[key] = checkpoint_wrapper(layers[key], preserve_rng_state=False)
+        elif i < n_select:
+            context = partial(_selective_contexts, policy)
+            layers[key] = checkpoint_wrapper(layers[key], preserve_rng_state=False, context_fn=context)
+    return n_full, max(0, n_select - n_full)

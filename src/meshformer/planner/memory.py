@@ -23,8 +23,10 @@ from the saved activations (it is not saved for backward but made again in it; t
 then, so the peak is at most their sum). The last stage adds the final norm and the log-softmax of the logits in
 softmax_compute_dtype (T x vocab / t under tensor parallel: loss parallel). Token ids, labels and the rotary
 tables are the batch's and the model's memory, not activations. A stage holds as many micro-batches in flight
-as its schedule makes it (all of them under GPipe, pp - rank under 1F1B, ...). tests/test_memory.py checks
-every figure against the measured bytes of real runs (train/memory.py).
+as its schedule makes it (all of them under GPipe, pp - rank under 1F1B; multi-stage schedules are replayed from
+their own action list, planner/schedule.py), and a later stage keeps a receive buffer per micro-batch.
+tests/test_memory.py and tests/test_parallel.py check every figure against the bytes real runs measure
+(train/memory.py).
 """
 
 from __future__ import annotations
@@ -208,6 +210,23 @@ def layer_activation_bytes(
     return total, mlp_grad or g.down
 
 
+def selective_layer_bytes(
+    mc: ModelConfig, tokens: int, tp: int, sp: bool, a: int, residual: int, lora: dict | None = None
+) -> int:
+    """Bytes a selectively recomputed layer keeps (parallel/recompute.py's policy): its input, every matmul's
+    output, attention's output and log-sum-exp, and the outputs of tensor-parallel collectives."""
+    T, h, f = tokens, mc.hidden_size, mc.ffn_hidden_size
+    q, kv = mc.num_heads * mc.dim_per_head, mc.num_kv_heads * mc.dim_per_head
+    total = T * h * residual // (tp if sp else 1)  # the layer's input
+    total += (T * (q + 2 * kv) + 2 * T * f) * a // tp + 2 * T * h * a  # q, k, v, gate, up; o and down (partial)
+    total += T * q * a // tp + 4 * T * mc.num_heads // tp  # attention output, log-sum-exp
+    if tp > 1:  # all-gathers before attention and MLP + reduce-scatters after (SP), or two all-reduces
+        total += (2 * T * h * a + 2 * T * h * a // tp) if sp else 2 * T * h * a
+    outs = {"q": q // tp, "k": kv // tp, "v": kv // tp, "o": h, "gate": f // tp, "up": f // tp, "down": h}
+    total += sum(T * r * a + T * outs[name] * a for name, r in (lora or {}).items())  # LoRA A and B outputs
+    return total
+
+
 def _in_flight(cfg: MeshformerConfig, n_micro: int, pp_rank: int) -> int:
     """Micro-batches whose activations a pipeline rank holds at its peak, by schedule."""
     pc = cfg.parallel_config
@@ -241,11 +260,15 @@ def stage_memory(
     for s, piece in pieces:
         kept = 0
         grad = s > 0 or any(p.requires_grad for p in piece.embed_tokens.parameters())
-        n_rc = _recomputed_layers(cfg, pp_rank, len(piece.layers))
+        n_rc, n_sel = _recomputed_layers(cfg, pp_rank, len(piece.layers))
         for i, layer in enumerate(piece.layers.values()):
-            full, grad_out = layer_activation_bytes(mc, T, tp, sp, dt, casts, LayerGrads.of(layer), grad)
+            g = LayerGrads.of(layer)
+            full, grad_out = layer_activation_bytes(mc, T, tp, sp, dt, casts, g, grad)
             if i < n_rc:  # recomputed: keeps its input; its backward holds the full set again, one layer at a time
                 kept += layer_input if grad or grad_out else 0
+                largest = max(largest, full)
+            elif i < n_sel:  # selective: keeps the matmul, attention and collective outputs
+                kept += selective_layer_bytes(mc, T, tp, sp, dt["compute"], residual, g.lora)
                 largest = max(largest, full)
             else:
                 kept += full
@@ -298,13 +321,12 @@ def _stages_per_rank(cfg: MeshformerConfig) -> int:
     return stages_per_rank(cfg)
 
 
-def _recomputed_layers(cfg: MeshformerConfig, pp_rank: int, layers: int) -> int:
-    rc = cfg.recompute_config.recompute
-    if rc is True:
-        return layers
-    if isinstance(rc, list):
-        return min(rc[pp_rank], layers)
-    return 0
+def _recomputed_layers(cfg: MeshformerConfig, pp_rank: int, layers: int) -> tuple[int, int]:
+    """(layers fully recomputed, layers up to which the rest are selectively recomputed) of one part."""
+    from meshformer.parallel.recompute import _count, selective_plan
+
+    rc = cfg.recompute_config
+    return _count(rc.recompute, pp_rank, layers), selective_plan(rc.select_recompute, pp_rank, layers)[0]
 
 
 def plan_memory(cfg: MeshformerConfig, dims: ParallelDims, micro_batch: int, n_micro: int) -> list[StageMemory]:

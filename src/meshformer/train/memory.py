@@ -15,6 +15,7 @@ metrics.jsonl gets `mem_params_bytes`, `mem_grads_bytes`, `mem_optim_bytes`, `me
 
 from __future__ import annotations
 
+import contextlib
 import json
 import weakref
 from pathlib import Path
@@ -84,8 +85,17 @@ class ActivationCounter:
                 self.peak = max(self.peak, self.live)
             self._holders[key] = self._holders.get(key, 0) + 1  # one count never released
 
+    @contextlib.contextmanager
     def hooks(self):
-        return torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t)
+        """Count while active: autograd's saved tensors, and what selective recompute keeps (parallel/recompute.py)."""
+        from meshformer.parallel.recompute import KEPT_LISTENERS
+
+        KEPT_LISTENERS.append(self.pack)
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t):
+                yield
+        finally:
+            KEPT_LISTENERS.remove(self.pack)
 
 
 # Activations are measured on the first two steps and the second is reported: a pipeline stage's first step also

@@ -211,7 +211,7 @@ class Trainer:
             f"{plan.describe(cfg, env.dims)}; {self.total_steps} steps; peak {peak / 1e12:.3f} TFLOP/s "
             f"per device ({peak_src}); world size {env.world_size}"
         )
-        memory = MemoryMeter(env, self.parts, self.optimizer)  # the first step's breakdown (train/memory.py)
+        memory = MemoryMeter(env, self.parts, self.optimizer)  # the breakdown by component (train/memory.py)
         first, last = None, {}
         skips_in_a_row = 0
         self.parts.train()
@@ -277,7 +277,7 @@ class Trainer:
                         f"({skips_in_a_row} in a row, the run stops at {cfg.runner_wrapper.max_consecutive_skips})"
                     )
                 log.write(rec)
-                memory.write_report(self.out, rec)  # every rank's breakdown, once, after the first step
+                memory.write_report(self.out, rec)  # every rank's breakdown, after each measured step
                 if skips_in_a_row >= cfg.runner_wrapper.max_consecutive_skips:
                     self.console.stop()
                     self.saver.wait()  # a save still being written is a good one: let it complete
