@@ -26,6 +26,7 @@ COMMANDS = (
     "ckpt",
     "config",
     "plan",
+    "doctor",
 )
 
 

@@ -6,6 +6,8 @@ never a hang in a collective.
 
 from __future__ import annotations
 
+import re
+
 from meshformer.config.schema import MeshformerConfig, ModelConfig
 from meshformer.errors import UserError
 
@@ -57,9 +59,7 @@ def validate_config(cfg: MeshformerConfig) -> None:
                 f"({pp} numbers), or true/false"
             )
     if isinstance(sel, dict):
-        from meshformer.parallel.recompute import selective_plan
-
-        selective_plan(sel, 0, 0)  # names an operation it can recompute, or one line saying which it cannot
+        check_select_recompute(sel)
     ls = cfg.lr_schedule
     if ls.total_steps == 0 or ls.total_steps < -1:
         raise UserError(
@@ -71,6 +71,21 @@ def validate_config(cfg: MeshformerConfig) -> None:
     for i, cb in enumerate(cfg.callbacks):
         if cb.type == "CheckpointMonitor" and cb.keep_checkpoint_max < 1:
             raise UserError(f"callbacks.{i}.keep_checkpoint_max must be at least 1")
+
+
+# MindSpore select_recompute dict keys name cells and operators (`feed_forward\.mul`). Every one of them is
+# element-wise work meshformer's selective policy recomputes anyway (parallel/recompute.py), so a dict decides
+# which layers, not which operations; a key naming none of them is probably a typo.
+SELECT_RECOMPUTE_OPS = ("mul", "silu", "activation", "reshape", "add", "norm", "cast", "softmax")
+
+
+def check_select_recompute(select: dict) -> None:
+    for pattern in select:
+        if not any(re.search(rf"\b{w}\b", str(pattern).replace("\\", "")) for w in SELECT_RECOMPUTE_OPS):
+            raise UserError(
+                f"recompute_config.select_recompute: {pattern!r} names no operation meshformer can recompute "
+                f"selectively: use keys naming {', '.join(SELECT_RECOMPUTE_OPS)} (e.g. 'feed_forward\\.mul'), or true"
+            )
 
 
 def validate_run(cfg: MeshformerConfig, world_size: int | None) -> None:

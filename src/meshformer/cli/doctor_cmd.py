@@ -1,0 +1,44 @@
+"""`meshformer doctor CONFIG [--target-samples-per-s X] [plan's flags]`: validate a config, plan it, and say what to
+change, in the seed's triage order (planner/doctor.py). Exit 0: nothing wrong; 1: a problem (out of memory, an
+impossible target); 2: the config itself is invalid."""
+
+from __future__ import annotations
+
+from meshformer.cli import plan_cmd
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser(
+        "doctor",
+        help="check a config against memory, bubble, topology and throughput, and say what to change",
+        description=__doc__.split("\n\n")[0],
+    )
+    p.add_argument("config", help="YAML config (dotted --section.field VALUE overrides may follow)")
+    p.add_argument("--devices", type=int, default=None, help="device count (default: the layout's product)")
+    p.add_argument("--nodes", type=int, default=1, help="nodes the devices are spread over (default 1)")
+    p.add_argument("--accelerator", default="H100", metavar="NAME", help="H100, H200, A100, 910B or cpu")
+    p.add_argument("--device-memory", type=float, default=None, metavar="GB", help="override the device's memory")
+    p.add_argument(
+        "--target-samples-per-s", type=float, default=None, metavar="X", help="a throughput the run must reach"
+    )
+    p.set_defaults(func=run, accepts_overrides=True)
+
+
+def run(args) -> int:
+    from rich.console import Console
+    from rich.markup import escape
+
+    from meshformer.planner.doctor import diagnose
+
+    args.json = False
+    _, plan = plan_cmd.build(args)
+    plan_cmd.print_plan(plan)
+    findings = diagnose(plan, args.target_samples_per_s)
+    console = Console(width=max(Console().width, 132))
+    if not findings:
+        console.print("[green]doctor: no problems found[/green]")
+        return 0
+    for i, f in enumerate(findings, 1):
+        colour = "red" if f.severity == "error" else "yellow"
+        console.print(f"[{colour}]{i}. {f.severity}:[/{colour}] {escape(f.text)}", soft_wrap=True)
+    return 1 if any(f.severity == "error" for f in findings) else 0

@@ -1,0 +1,224 @@
+"""`meshformer doctor`: the planner's figures turned into advice, in the order the seed's section 4.1 triages.
+
+1. Memory: if a stage does not fit, try the knobs in the seed's order (micro batch, then recompute, then the
+   parallel degrees and optimizer sharding) on the planner and say what each saves and whether it then fits.
+   Too many micro-batches in flight (GPipe keeps all of them: the seed's micro_batch_num 16 -> 8 case) are
+   caught the same way.
+2. Pipeline bubble over 10%: the micro_batch_num that brings it under.
+3. Tensor parallelism across nodes (the seed's topology rule: tensor parallel inside a node).
+4. A throughput target beyond the hardware: the FLOP/s it needs against what the devices have.
+5. fp32 compute where the seed's recipe uses bf16 (half the activation memory, several times the matmul speed).
+Each finding is (severity, text); severity "error" makes the command exit 1.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass
+
+from meshformer.planner.plan import Plan, make_plan
+
+GIB = 1 << 30
+
+
+@dataclass
+class Finding:
+    severity: str  # "error" or "warning"
+    text: str
+
+
+def _variant(plan: Plan, **changes) -> Plan | None:
+    """The plan with some config fields changed (dotted names), or None when that layout is invalid."""
+    from meshformer.errors import UserError
+    from meshformer.parallel.dims import ParallelDims
+    from meshformer.train.batch_plan import BatchPlan
+
+    cfg = copy.deepcopy(plan.cfg)
+    for dotted, value in changes.items():
+        *path, leaf = dotted.split(".")
+        obj = cfg
+        for part in path:
+            obj = getattr(obj, part)
+        setattr(obj, leaf, value)
+    try:
+        dims = ParallelDims.from_config(cfg, plan.dims.world_size)
+    except UserError:
+        return None
+    batch = BatchPlan.from_config(cfg, dims)
+    return make_plan(cfg, dims, plan.accelerator, batch.micro_batch, batch.n_micro, plan.nodes, plan.device_memory)
+
+
+def _worst(plan: Plan) -> int:
+    return max(s.reserved_bytes for s in plan.stages)
+
+
+def memory_findings(plan: Plan) -> list[Finding]:
+    if plan.fits:
+        return []
+    worst = max(plan.stages, key=lambda s: s.reserved_bytes)
+    m = worst.memory
+    head = (
+        f"out of memory: pipeline rank {m.stage} needs {worst.reserved_bytes / GIB:.1f} GiB of "
+        f"{plan.device_memory / GIB:.1f} GiB (weights {m.params_bytes / GIB:.1f}, gradients {m.grads_bytes / GIB:.1f}, "
+        f"optimizer {m.optimizer_bytes / GIB:.1f}, activations {m.activations_bytes / GIB:.1f} for {m.in_flight} "
+        f"micro-batch(es) in flight). Knobs in the order to try them:"
+    )
+    cfg, pc = plan.cfg, plan.cfg.parallel_config
+    options = []
+    mb = plan.micro_batch
+    if mb > 1:
+        options.append(
+            (
+                f"train_dataset.batch_size: {mb // 2} (micro batch halved; raise "
+                f"runner_config.gradient_accumulation_steps to keep the global batch)",
+                {"train_dataset.batch_size": mb // 2},
+            )
+        )
+    if pc.pipeline_stage > 1 and pc.pipeline_schedule in ("gpipe", "looped_bfs") and pc.micro_batch_num > 1:
+        options.append(
+            (
+                f"parallel_config.pipeline_schedule: 1f1b (GPipe keeps all {pc.micro_batch_num} "
+                f"micro-batches in flight)",
+                {"parallel_config.pipeline_schedule": "1f1b"},
+            )
+        )
+    if pc.pipeline_stage > 1 and pc.micro_batch_num > 2 * pc.pipeline_stage:
+        options.append(
+            (
+                f"parallel_config.micro_batch_num: {pc.micro_batch_num // 2}",
+                {"parallel_config.micro_batch_num": pc.micro_batch_num // 2},
+            )
+        )
+    rc = cfg.recompute_config
+    if rc.select_recompute is False and rc.recompute is False:
+        options.append(("recompute_config.select_recompute: true", {"recompute_config.select_recompute": True}))
+    if rc.recompute is not True:
+        options.append(("recompute_config.recompute: true", {"recompute_config.recompute": True}))
+    if cfg.model.model_config.compute_dtype == "float32":
+        options.append(("model.model_config.compute_dtype: bfloat16", {"model.model_config.compute_dtype": "bfloat16"}))
+    if pc.data_parallel > 1 and plan.dims.dp_shard == 1:
+        options.append(
+            (
+                "parallel_config.optimizer_shard: true (ZeRO: states sharded over data_parallel)",
+                {"parallel_config.optimizer_shard": True},
+            )
+        )
+    for tp, pp in ((2 * pc.model_parallel, pc.pipeline_stage), (pc.model_parallel, 2 * pc.pipeline_stage)):
+        dp = pc.data_parallel // 2
+        if dp >= 1 and pc.data_parallel % 2 == 0:
+            options.append(
+                (
+                    f"data_parallel {dp} x model_parallel {tp} x pipeline_stage {pp}",
+                    {
+                        "parallel_config.data_parallel": dp,
+                        "parallel_config.model_parallel": tp,
+                        "parallel_config.pipeline_stage": pp,
+                    },
+                )
+            )
+    lines = []
+    for text, change in options:
+        alt = _variant(plan, **change)
+        if alt is None:
+            continue
+        saved = _worst(plan) - _worst(alt)
+        if saved < 0.01 * _worst(plan):
+            continue  # e.g. fewer micro-batches under 1F1B: the number in flight does not change
+        verdict = "fits" if alt.fits else "still does not fit"
+        lines.append(f"  - {text}: saves {saved / GIB:.1f} GiB -> {_worst(alt) / GIB:.1f} GiB, {verdict}")
+    return [Finding("error", "\n".join([head, *lines]))]
+
+
+def bubble_findings(plan: Plan) -> list[Finding]:
+    pc = plan.cfg.parallel_config
+    bubble = plan.throughput.bubble_fraction
+    if pc.pipeline_stage == 1 or bubble <= 0.10:
+        return []
+    p = pc.pipeline_stage
+    v = pc.pp_interleave_num if pc.pipeline_schedule not in ("gpipe", "1f1b") else 1
+    need = math.ceil(9 * (p - 1) / v)  # (p - 1) / (v m + p - 1) <= 0.1
+    need = max(need, p)
+    return [
+        Finding(
+            "warning",
+            f"pipeline bubble {bubble:.0%} (> 10%) with micro_batch_num {pc.micro_batch_num} over "
+            f"{p} stages: parallel_config.micro_batch_num: {need} brings it to "
+            f"{(p - 1) / (v * need + p - 1):.0%} (the seed's rule: 4-8x the stages)",
+        )
+    ]
+
+
+def topology_findings(plan: Plan) -> list[Finding]:
+    per_node = plan.dims.world_size // max(1, plan.nodes)
+    if plan.dims.tp > per_node:
+        return [
+            Finding(
+                "warning",
+                f"model_parallel {plan.dims.tp} spans nodes ({per_node} devices per node): tensor "
+                f"parallelism communicates every layer; keep it inside a node and use pipeline_stage across "
+                f"nodes",
+            )
+        ]
+    return []
+
+
+def target_findings(plan: Plan, target_samples_per_s: float | None) -> list[Finding]:
+    if not target_samples_per_s:
+        return []
+    mc = plan.cfg.model.model_config
+    t = plan.throughput
+    need = target_samples_per_s * mc.seq_length * t.flops_per_token
+    low = mc.compute_dtype != "float32"
+    have = plan.dims.world_size * (plan.accelerator.peak_bf16 if low else plan.accelerator.peak_fp32)
+    arithmetic = (
+        f"{target_samples_per_s:,.0f} samples/s x {mc.seq_length} tokens x {t.flops_per_token / 1e9:.1f} GFLOP/token "
+        f"= {need / 1e15:,.1f} PFLOP/s of model FLOPs; {plan.dims.world_size} x {plan.accelerator.name} peak "
+        f"{have / 1e15:,.2f} PFLOP/s"
+    )
+    if not low:
+        bf16 = plan.dims.world_size * plan.accelerator.peak_bf16
+        arithmetic += f" in fp32 ({bf16 / 1e15:,.2f} PFLOP/s in bf16: {need / bf16:,.0f}x short even there)"
+    if need > have:
+        return [
+            Finding(
+                "error",
+                f"throughput target impossible: {arithmetic}, so even at 100% MFU it needs "
+                f"{need / have:,.0f}x the hardware; the planner predicts {t.samples_per_s:,.1f} samples/s "
+                f"(MFU {t.mfu:.0%})",
+            )
+        ]
+    if t.samples_per_s < target_samples_per_s:
+        return [
+            Finding(
+                "warning",
+                f"throughput target above the prediction: {arithmetic} ({need / have:.0%} of peak); "
+                f"predicted {t.samples_per_s:,.1f} samples/s",
+            )
+        ]
+    return []
+
+
+def precision_findings(plan: Plan) -> list[Finding]:
+    mc = plan.cfg.model.model_config
+    if mc.compute_dtype == "float32" and plan.accelerator.name != "cpu":
+        return [
+            Finding(
+                "warning",
+                "model.model_config.compute_dtype is float32: bfloat16 (with layernorm and "
+                "softmax in float32, the seed's section 2.2) halves activation memory and runs the matmuls "
+                f"{plan.accelerator.peak_bf16 / plan.accelerator.peak_fp32:.0f}x faster on "
+                f"{plan.accelerator.name}",
+            )
+        ]
+    return []
+
+
+def diagnose(plan: Plan, target_samples_per_s: float | None = None) -> list[Finding]:
+    return [
+        *memory_findings(plan),
+        *bubble_findings(plan),
+        *topology_findings(plan),
+        *target_findings(plan, target_samples_per_s),
+        *precision_findings(plan),
+    ]

@@ -1,0 +1,59 @@
+"""`meshformer doctor` on the seed's section-3.3 config: the impossible 1,200 samples/s with its FLOP/s arithmetic,
+the out-of-memory triage in the seed's order with what each knob saves, a pipeline that keeps too many
+micro-batches in flight, tensor parallelism across nodes."""
+
+from __future__ import annotations
+
+from conftest import ROOT
+from meshformer.cli.main import main
+
+SEED = str(ROOT / "configs" / "seed_pretrain_skeleton.yaml")
+BF16 = ["--model.model_config.compute_dtype", "bfloat16"]
+
+
+def doctor(capsys, *argv) -> tuple[int, str]:
+    capsys.readouterr()
+    rc = main(["doctor", SEED, *argv])
+    return rc, " ".join(capsys.readouterr().out.split())  # rich wraps lines: compare with single spaces
+
+
+def test_the_seeds_throughput_claim_and_memory_are_flagged_with_their_arithmetic(capsys):
+    rc, out = doctor(capsys, "--target-samples-per-s", "1200")
+    assert rc == 1
+    # 1,200 x 2,048 tokens x 42.9 GFLOP/token (6N + 12 L h s for the 7B) = 105 PFLOP/s against 8 x H100
+    assert "throughput target impossible: 1,200 samples/s x 2048 tokens x 42.9 GFLOP/token = 105.3 PFLOP/s" in out
+    assert "7.92 PFLOP/s in bf16: 13x short even there" in out
+    assert "out of memory: pipeline rank 0" in out
+    order = [
+        out.index(k)
+        for k in (
+            "train_dataset.batch_size: 2",
+            "recompute_config.recompute: true",
+            "parallel_config.optimizer_shard: true",
+        )
+    ]
+    assert order == sorted(order)  # the seed's triage: micro batch, then recompute, then degrees
+    assert "recompute_config.recompute: true: saves 52.0 GiB -> 37.5 GiB, fits" in out
+    assert "pipeline bubble 11% (> 10%) with micro_batch_num 8 over 2 stages" in out
+
+
+def test_a_pipeline_holding_every_micro_batch_is_told_to_hold_fewer(capsys):
+    rc, out = doctor(
+        capsys,
+        *BF16,
+        "--parallel_config.optimizer_shard",
+        "true",
+        "--parallel_config.pipeline_schedule",
+        "gpipe",
+        "--parallel_config.micro_batch_num",
+        "16",
+    )
+    assert rc == 1 and "activations 291.0 for 16 micro-batch(es) in flight" in out
+    assert "parallel_config.pipeline_schedule: 1f1b (GPipe keeps all 16 micro-batches in flight): saves" in out
+
+
+def test_a_fitting_layout_and_tensor_parallel_across_nodes(capsys):
+    rc, out = doctor(capsys, *BF16, "--parallel_config.optimizer_shard", "true")
+    assert rc == 0 and "out of memory" not in out and "fits" in out
+    rc, out = doctor(capsys, "--nodes", "8", *BF16, "--parallel_config.optimizer_shard", "true")
+    assert rc == 0 and "model_parallel 2 spans nodes (1 devices per node)" in out
