@@ -49,6 +49,10 @@ WORLD2 = [
     "fsdp2:bf16",
     "tp2:bf16",
     "pp2_1f1b:bf16",
+    "fsdp2:fp16",
+    "tp2:fp16",
+    "pp2_1f1b:fp16",
+    "dp2_accum:fp16",
     "dp2:lora",
     "tp2_sp_accum:lora",
     "pp2_1f1b:lora",
@@ -78,6 +82,7 @@ WORLD4 = [
     "dp2xtp2:tied",
     "dp2xtp2:wrapped",
     "fsdp2xtp2_sp_rc:bf16",
+    "fsdp2xtp2_sp_rc:fp16",
     "dp2xtp2:lora",
     "dp2xtp2:packed",
 ]
@@ -115,11 +120,12 @@ def _check(results: dict, reference: dict, specs: list[str]) -> None:
         case, variant = key.split(":")
         got = results[key]
         assert len(got) == harness.STEPS + 1, key
-        refs = [reference[variant]] + ([reference["fp32"]] if variant == "bf16" else [])
+        low = variant in ("bf16", "fp16")  # fp16 is also held to bf16's bounds, against bf16 as well
+        refs = [reference[variant]] + ([reference["fp32"]] if low else []) + ([reference["bf16"]] * (variant == "fp16"))
         for ref in refs:
             for step, ((loss, gn), (rloss, rgn)) in enumerate(zip(got, ref), 1):
-                tol_l = BF16_RTOL["loss"] if variant == "bf16" else FP32_RTOL
-                tol_g = BF16_RTOL["grad_norm"] if variant == "bf16" else FP32_RTOL
+                tol_l = BF16_RTOL["loss"] if low else FP32_RTOL
+                tol_g = BF16_RTOL["grad_norm"] if low else FP32_RTOL
                 what = "eval loss" if step > harness.STEPS else f"step {step}"
                 if _rel(loss, rloss) > tol_l:
                     bad.append(f"{key} {what}: loss {loss} vs {rloss}")

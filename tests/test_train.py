@@ -146,12 +146,3 @@ def test_seven_b_config_is_the_seed_layout_and_batch():
         validate_layout(cfg, 4)
     plan = BatchPlan.from_config(cfg, ParallelDims(pp=2, dp_replicate=2, tp=2))
     assert plan.global_batch == 64 and plan.n_micro == 8  # seed 2.4: global batch 64
-
-
-def test_fp16_compute_is_refused_with_the_fix(tiny_dataset, tmp_path):
-    cfg = load_config(
-        None, tiny_overrides(tiny_dataset, tmp_path / "o", {"model.model_config.compute_dtype": "float16"})
-    )
-    with pytest.raises(UserError, match="compute_dtype=float16.*use bfloat16"):
-        run_training(cfg)
-    assert not (tmp_path / "o").exists()

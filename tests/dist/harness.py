@@ -15,6 +15,7 @@ from torch import nn
 from meshformer.config.load import load_config
 from meshformer.models.transforms import ModelTransform
 from meshformer.parallel import init_parallel
+from meshformer.train.loss_scale import LossScaler
 from meshformer.train.memory import MemoryMeter
 from meshformer.train.optim import Optimizers, Schedule
 from meshformer.train.step import build_parts, clip_threshold, evaluate, train_step
@@ -99,6 +100,7 @@ VARIANTS = {
     "fp32": {},
     "tied": {"model.model_config.tie_word_embeddings": True, "model.model_config.use_qk_norm": False},
     "bf16": {"model.model_config.compute_dtype": "bfloat16"},
+    "fp16": {"model.model_config.compute_dtype": "float16"},  # dynamic loss scaling from 2^16 (train/loss_scale.py)
     "wrapped": {},  # fp32, the decoder's linears wrapped by a model transform (VARIANT_TRANSFORMS)
     # LoRA on column- (q, v, gate) and row-parallel (o, down) linears; the rest frozen.
     "lora": {
@@ -139,6 +141,7 @@ VARIANT_TRANSFORMS = {"wrapped": [ModelTransform("wrap decoder linears", lambda 
 VARIANT_CASES = {  # extra (case, variant) pairs beyond every case in fp32
     "tied": ["tp2_sp_accum", "dp2xtp2"],
     "bf16": ["fsdp2", "tp2", "pp2_1f1b", "fsdp2xtp2_sp_rc"],
+    "fp16": ["fsdp2", "tp2", "pp2_1f1b", "dp2_accum", "fsdp2xtp2_sp_rc"],
     "wrapped": ["tp2_sp_accum", "dp2xtp2"],
     "lora": ["dp2", "tp2_sp_accum", "pp2_1f1b", "fsdp2", "dp2xtp2"],
     "packed": ["dp2_rc_accum", "tp2_sp_accum", "fsdp2", "dp2xtp2"],  # pipelines refuse packing
@@ -175,6 +178,7 @@ def run(cfg, env, n_micro: int, transforms=None, packed: bool = False) -> tuple[
     built = build_parts(cfg, env, transforms)
     opt = Optimizers(built.parts.parts, cfg)
     meter = MemoryMeter(env, built.parts, opt)
+    scaler = LossScaler.from_config(cfg)  # fp16: the trainer's dynamic loss scaling
     memory = {}
     schedule = Schedule(opt, cfg, STEPS)
     ignore = cfg.model.model_config.ignore_token_id
@@ -187,7 +191,8 @@ def run(cfg, env, n_micro: int, transforms=None, packed: bool = False) -> tuple[
         schedule.apply(step)
         r = train_step(built.parts, opt, env, inputs[step, rows].to(env.device), labels[step, rows].to(env.device),
                        n_micro=n_micro, ignore_index=ignore, max_grad_norm=clip_threshold(cfg), documents=docs(step),
-                       capture=meter.capture(), after_update=meter.after_update)
+                       capture=meter.capture(), after_update=meter.after_update, loss_scale=scaler.scale)
+        scaler.update(not r.skipped)
         out.append((r.loss, r.grad_norm))
         if step < 2:  # the second step's measurement (train/memory.py: MEASURED_STEPS)
             memory = {"stage": env.pp_rank, **meter.record()}

@@ -312,7 +312,7 @@ class RunnerWrapperConfig:
     use_clip_grad: bool = setting(True, "Clip the global gradient norm to max_grad_norm.")
     max_grad_norm: float = setting(1.0, "Gradient clipping threshold (global L2 norm).", gt=0)
     scale_sense: float | dict = setting(
-        {}, "MindSpore loss scaling: a fixed scale or a DynamicLossScaleUpdateCell (accepted; bf16 needs none)."
+        {}, "Loss scale: a number, or {type: DynamicLossScaleUpdateCell, ...} (fp16 default: dynamic from 65536)."
     )
     loss_spike_factor: float = setting(
         0.0,

@@ -105,11 +105,9 @@ def validate_run(cfg: MeshformerConfig, world_size: int | None) -> None:
             "`meshformer eval --checkpoint DIR --input FILE`, or evaluate during training with "
             "eval_config.eval_interval and do_eval: true"
         )
-    if mc.compute_dtype == "float16":
-        raise UserError(
-            "model.model_config.compute_dtype=float16 needs dynamic loss scaling, which meshformer "
-            "does not have yet: use bfloat16 (same memory, no scaling needed)"
-        )
+    from meshformer.train.loss_scale import LossScaler
+
+    LossScaler.from_config(cfg)  # a malformed runner_wrapper.scale_sense is one line here, before any process
     if mc.tie_word_embeddings and pc.pipeline_stage > 1:
         raise UserError(
             "model.model_config.tie_word_embeddings=true cannot be split by pipeline_stage="

@@ -112,6 +112,11 @@ class ModelParts:
             sq += _local(n).float() ** 2
         return self.env.all_reduce_sum_pp(sq).sqrt()
 
+    def scale_grads_(self, factor: float) -> None:
+        """Multiply every gradient in place (undoing a loss scale before the norm and the update)."""
+        for grads in _grad_groups(self.parameters()).values():
+            torch._foreach_mul_(grads, factor)
+
     def clip_grad_norm_(self, max_norm: float | None) -> torch.Tensor:
         """Global L2 norm of all gradients; clips them in place when max_norm is given (torch's formula)."""
         groups = _grad_groups(self.parameters())

@@ -83,6 +83,7 @@ def train_step(
     capture: contextlib.AbstractContextManager | None = None,
     after_update: Callable[[], None] | None = None,
     documents: torch.Tensor | None = None,
+    loss_scale: float = 1.0,
 ) -> StepResult:
     """Forward/backward over this rank's `n_micro` micro-batches, clip, optimizer step, zero the gradients.
 
@@ -90,12 +91,15 @@ def train_step(
     pack several samples (attention and rotary positions stay inside each). `capture` wraps forward/backward (activation
     measurement); `after_update` runs after the optimizer step while gradients still exist (memory accounting).
     A non-finite loss or gradient norm skips the optimizer step on every rank (the weights and optimizer states
-    stay as they were): one bad batch or overflow must not poison the run.
+    stay as they were): one bad batch or overflow must not poison the run. `loss_scale` (fp16, train/loss_scale.py)
+    multiplies the loss before backward; the gradients are divided by it before the norm and the update.
     """
     n_tok = env.all_reduce_sum_dp((labels != ignore_index).sum().to(torch.float64))
     with capture if capture is not None else contextlib.nullcontext():
-        scale = env.grad_average_size / n_tok.item()
+        scale = env.grad_average_size / n_tok.item() * loss_scale
         loss_sum = parts.forward_backward(inputs, labels, n_micro, scale, documents=documents)
+    if loss_scale != 1.0:
+        parts.scale_grads_(1.0 / loss_scale)
     loss = (env.all_reduce_sum_dp(loss_sum.to(torch.float64)) / n_tok).item()
     grad_norm = float(parts.clip_grad_norm_(max_grad_norm))
     finite = math.isfinite(loss) and math.isfinite(grad_norm)

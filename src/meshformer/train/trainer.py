@@ -31,6 +31,7 @@ from meshformer.train.batch_plan import BatchPlan
 from meshformer.train.early_stop import EarlyStopping
 from meshformer.train.finetune import apply_finetune_base
 from meshformer.train.loading import check_tokenizer, load_base_weights
+from meshformer.train.loss_scale import LossScaler
 from meshformer.train.memory import MemoryMeter
 from meshformer.train.optim import Optimizers, Schedule
 from meshformer.train.preemption import StopRequests, stop_signals_held
@@ -153,6 +154,7 @@ class Trainer:
         self.skipped_steps = 0  # optimizer steps skipped for a non-finite loss or gradient norm, whole run
         self.last_finite = True
         self.early = EarlyStopping(cfg.runner_config.early_stopping_patience)
+        self.scaler = LossScaler.from_config(cfg)  # fp16: dynamic loss scaling (train/loss_scale.py)
         if self.resume_from is not None:
             self._restore(self.resume_from)
         elif cfg.load_checkpoint:
@@ -189,6 +191,7 @@ class Trainer:
         self.data_offset = int(state.get("data_offset", 0))
         self.rollbacks = int(state.get("rollbacks", 0))
         self.early = EarlyStopping(self.cfg.runner_config.early_stopping_patience, state)
+        self.scaler.load(state)
         self.console.log(f"resumed from {ckpt} at step {self.start_step}")
 
     # ---- the loop -----------------------------------------------------------------------------------------
@@ -239,11 +242,16 @@ class Trainer:
                     # after the first update gradients and optimizer states all exist
                     after_update=memory.after_update,
                     documents=documents,
+                    loss_scale=self.scaler.scale,
                 )
+                scale_used = self.scaler.scale
+                self.scaler.update(not result.skipped)
                 loss, grad_norm = result.loss, result.grad_norm
                 self.skipped_steps += result.skipped
                 self.last_finite = math.isfinite(loss) and math.isfinite(grad_norm)
-                skips_in_a_row = skips_in_a_row + 1 if result.skipped else 0
+                # An fp16 overflow under dynamic loss scaling (finite loss, gradients not) is routine, not bad data
+                overflow = self.scaler.dynamic and math.isfinite(loss)
+                skips_in_a_row = skips_in_a_row + 1 if result.skipped and not overflow else 0
                 if env.device.type == "cuda":
                     torch.cuda.synchronize(env.device)
                 dt = time.perf_counter() - t0
@@ -266,12 +274,18 @@ class Trainer:
                     **memory.record(),
                     "skipped_steps": self.skipped_steps,
                     "rollbacks": self.rollbacks,
+                    **({"loss_scale": scale_used} if self.scaler.dynamic or scale_used != 1.0 else {}),
                 }
                 new_best = False  # this step's evaluation is the best so far (early stopping keeps its checkpoint)
                 if self.eval_ds is not None and self._eval_due(done):
                     rec["eval_loss"] = self.evaluate()
                     new_best = self.early.update(rec["eval_loss"]) and self.early.enabled
-                if result.skipped:
+                if result.skipped and overflow:
+                    self.console.log(
+                        f"step {done}: gradients overflowed at loss scale {scale_used:g}: step skipped, scale now "
+                        f"{self.scaler.scale:g}"
+                    )
+                elif result.skipped:
                     self.console.log(
                         f"step {done}: loss {loss} / grad norm {grad_norm} is not finite: optimizer step skipped "
                         f"({skips_in_a_row} in a row, the run stops at {cfg.runner_wrapper.max_consecutive_skips})"
@@ -341,6 +355,7 @@ class Trainer:
         back = int(state["step"])
         store.load_model_weights(ckpt, self.parts.parts, self.expected_shapes)
         store.load_optimizer(ckpt, self.parts.parts, self.optimizer.items)
+        self.scaler.load(state)
         # Step `back` on must read the batch after the spike's. Counted from this run's current offset, not the
         # checkpoint's, so a second rollback to the same checkpoint also skips what the first replay read.
         skipped = spike_step + self.data_offset - back - int(state.get("data_offset", 0))
@@ -423,6 +438,7 @@ class Trainer:
             "finite": self.last_finite,  # pruning never drops the newest finite checkpoint for non-finite ones
             "best": best,  # early stopping: pruning keeps the newest checkpoint marked best
             **self.early.state(),
+            **self.scaler.state(),
         }
         files = {
             "config.yaml": yaml.safe_dump(to_dict(self.cfg), sort_keys=False).encode(),
