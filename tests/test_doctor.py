@@ -57,3 +57,31 @@ def test_a_fitting_layout_and_tensor_parallel_across_nodes(capsys):
     assert rc == 0 and "out of memory" not in out and "fits" in out
     rc, out = doctor(capsys, "--nodes", "8", *BF16, "--parallel_config.optimizer_shard", "true")
     assert rc == 0 and "model_parallel 2 spans nodes (1 devices per node)" in out
+
+
+def test_plan_search_ranks_the_layouts_that_fit(capsys):
+    import json
+
+    capsys.readouterr()
+    argv = ["plan", SEED, "--search", "--json", "--nodes", "2", *BF16]
+    assert main(argv) == 0
+    found = json.loads(capsys.readouterr().out)
+    rows = found["fitting"]
+    assert found["planned"] > 100 and 0 < len(rows) <= 10
+    speeds = [r["tokens_per_s"] for r in rows]
+    assert speeds == sorted(speeds, reverse=True)
+    for r in rows:
+        assert r["model_parallel"] <= 4  # 8 devices on 2 nodes: tensor parallel stays inside a node
+        assert r["data_parallel"] * r["model_parallel"] * r["pipeline_stage"] == 8
+        per_step = r["micro_batch"] * r["gradient_accumulation_steps"] * r["data_parallel"]
+        assert per_step * (r["micro_batch_num"] if r["pipeline_stage"] > 1 else 1) == 64  # the config's global batch
+        assert r["reserved_bytes"] < 80e9
+
+
+def test_plan_explain_substitutes_the_numbers(capsys):
+    capsys.readouterr()
+    assert main(["plan", SEED, "--explain", *BF16]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "tokens per micro-batch T = micro batch 4 x seq_length 2048 = 8,192" in out
+    assert "12 x 32 x 32 x 128 x 2048 = 42.87 GFLOP (causal not halved)" in out
+    assert "reserved = allocated x 1.10 + runtime 3.00 GiB" in out

@@ -28,6 +28,12 @@ def add_parser(sub) -> None:
     )
     p.add_argument("--device-memory", type=float, default=None, metavar="GB", help="override the device's memory")
     p.add_argument("--json", action="store_true", help="print the plan as one JSON object")
+    p.add_argument("--explain", action="store_true", help="print every formula with its numbers substituted")
+    p.add_argument(
+        "--search",
+        action="store_true",
+        help="plan every valid layout for the devices and global batch; print those that fit, fastest first",
+    )
     p.set_defaults(func=run, accepts_overrides=True)
 
 
@@ -55,10 +61,16 @@ def build(args):
 
 def run(args) -> int:
     _, plan = build(args)
+    if args.search:
+        return print_search(plan, args.json)
     if args.json:
         print(json.dumps(plan.as_dict(), indent=1))
         return 0
     print_plan(plan)
+    if args.explain:
+        from meshformer.planner.explain import explain
+
+        print("\n".join(explain(plan)))
     return 0
 
 
@@ -119,3 +131,66 @@ def print_plan(plan) -> None:
         f"MFU {d['mfu']:.1%}; {verdict}",
         soft_wrap=True,
     )
+
+
+def print_search(plan, as_json: bool) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from meshformer.planner.search import search
+
+    best, planned = search(plan)
+    rows = [
+        {
+            **c.layout,
+            "tokens_per_s": c.plan.throughput.tokens_per_s,
+            "mfu": c.plan.throughput.mfu,
+            "bubble_fraction": c.plan.throughput.bubble_fraction,
+            "reserved_bytes": max(s.reserved_bytes for s in c.plan.stages),
+        }
+        for c in best
+    ]
+    if as_json:
+        print(json.dumps({"planned": planned, "fitting": rows}, indent=1))
+        return 0
+    console = Console(width=max(Console().width, 132))
+    lay = plan.as_dict()["layout"]
+    t = Table(
+        title=f"layouts that fit {lay['devices']} x {plan.accelerator.name}, global batch {lay['global_batch']}: "
+        f"the {len(rows)} fastest of {planned} planned"
+    )
+    for col in (
+        "dp",
+        "tp",
+        "pp",
+        "zero",
+        "micro batch",
+        "micro_batch_num",
+        "accum",
+        "recompute",
+        "max GiB",
+        "bubble",
+        "tokens/s",
+        "MFU",
+    ):
+        t.add_column(col, justify="right")
+    for r in rows:
+        t.add_row(
+            str(r["data_parallel"]),
+            str(r["model_parallel"]),
+            str(r["pipeline_stage"]),
+            "yes" if r["optimizer_shard"] else "",
+            str(r["micro_batch"]),
+            str(r["micro_batch_num"]) if r["pipeline_stage"] > 1 else "",
+            str(r["gradient_accumulation_steps"]),
+            r["recompute"],
+            f"{r['reserved_bytes'] / GIB:.1f}",
+            f"{r['bubble_fraction']:.0%}",
+            f"{r['tokens_per_s']:,.0f}",
+            f"{r['mfu']:.0%}",
+        )
+    console.print(t)
+    if not rows:
+        console.print("[red]no layout fits: fewer tokens per micro-batch (seq_length), LoRA, or more devices[/red]")
+        return 1
+    return 0

@@ -305,14 +305,35 @@ def stage_memory(
 
 
 def _pieces(cfg: MeshformerConfig, dims: ParallelDims, pp_rank: int) -> list:
-    """(stage index, meta-device module) of every stage this pipeline rank holds, model transforms applied."""
-    from meshformer.models import build_model
-    from meshformer.models.transforms import apply_model_transforms
-    from meshformer.parallel.pipeline import split_pipeline
+    """(stage index, meta-device module) of every stage this pipeline rank holds, model transforms applied. Cached
+    by what decides them (the model and its transforms, the pipeline cut): a layout search plans hundreds."""
+    import yaml
 
-    model = build_model(cfg.model.model_config)
-    apply_model_transforms(model, cfg)
-    return split_pipeline(model, cfg, pp_rank) if dims.pp > 1 else [(0, model)]
+    from meshformer.config.load import to_dict
+
+    pc = cfg.parallel_config
+    key = (
+        yaml.safe_dump(to_dict(cfg.model), sort_keys=True),
+        dims.pp,
+        pc.pp_interleave_num,
+        pc.pipeline_schedule,
+        str(cfg.model.model_config.offset),
+        pp_rank,
+    )
+    if key not in _PIECES:
+        from meshformer.models import build_model
+        from meshformer.models.transforms import apply_model_transforms
+        from meshformer.parallel.pipeline import split_pipeline
+
+        model = build_model(cfg.model.model_config)
+        apply_model_transforms(model, cfg)
+        if len(_PIECES) > 64:
+            _PIECES.clear()
+        _PIECES[key] = split_pipeline(model, cfg, pp_rank) if dims.pp > 1 else [(0, model)]
+    return _PIECES[key]
+
+
+_PIECES: dict = {}
 
 
 def _stages_per_rank(cfg: MeshformerConfig) -> int:

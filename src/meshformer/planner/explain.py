@@ -1,0 +1,68 @@
+"""`meshformer plan --explain`: every formula of the plan with its numbers substituted (planner/ has the code)."""
+
+from __future__ import annotations
+
+from meshformer.models.llama import param_count
+from meshformer.planner.plan import FRAGMENTATION, Plan
+
+GIB = 1 << 30
+
+
+def _g(n: float) -> str:
+    return f"{n / GIB:.2f} GiB"
+
+
+def explain(plan: Plan) -> list[str]:
+    cfg, dims, t = plan.cfg, plan.dims, plan.throughput
+    mc, pc = cfg.model.model_config, cfg.parallel_config
+    a = 2 if mc.compute_dtype != "float32" else 4
+    n = 4 if mc.layernorm_compute_dtype == "float32" else 2
+    T = plan.micro_batch * mc.seq_length
+    h, f, L = mc.hidden_size, mc.ffn_hidden_size, mc.num_layers
+    q, kv = mc.num_heads * mc.dim_per_head, mc.num_kv_heads * mc.dim_per_head
+    N = param_count(mc)
+    tp, sp = dims.tp, pc.use_seq_parallel and dims.tp > 1
+    lines = [
+        f"parameters N = {N:,} ({mc.num_layers} layers x (attention h*q + 2*h*kv + q*h + SwiGLU 3*h*f + 2 norms) "
+        f"+ embedding{'' if mc.tie_word_embeddings else ' and head'} V*h + final norm)",
+        f"tokens per micro-batch T = micro batch {plan.micro_batch} x seq_length {mc.seq_length} = {T:,}; "
+        f"element sizes: compute a = {a} B, norms n = {n} B",
+        f"per layer, no recompute (T={T:,}, h={h}, q={q}, kv={kv}, f={f}, t={tp}{', SP' if sp else ''}):",
+        f"  2 RMSNorms  2 x (2*T*h*n + T*n){' / t' if sp else ''} = "
+        f"{_g(2 * (2 * T * h * n + T * n) // (tp if sp else 1))}; their outputs read by the linears 2 x T*h*a = "
+        f"{_g(2 * T * h * a)}",
+        f"  attention   (2*T*q + 2*T*kv)*a/t + 4*T*heads/t = "
+        f"{_g((2 * T * q + 2 * T * kv) * a // tp + 4 * T * mc.num_heads // tp)}",
+        f"  SwiGLU      4*T*f*a/t = {_g(4 * T * f * a // tp)}",
+    ]
+    for s in plan.stages:
+        m = s.memory
+        lines += [
+            f"pipeline rank {m.stage}: {m.layers} layers",
+            f"  weights {_g(m.params_bytes)}, gradients {_g(m.grads_bytes)} (trainable only), AdamW 2 moments + "
+            f"steps {_g(m.optimizer_bytes)}; divided by tp {tp}, pp (this rank's layers), FSDP {dims.dp_shard}",
+            f"  activations {_g(m.activations_bytes)} = {m.in_flight} micro-batch(es) in flight x the layers' sets "
+            f"(+ last stage's norm and log-softmax T*V/t*4 = {_g(T * mc.vocab_size // tp * 4)}; + receive buffers)",
+            f"  + logits {_g(s.logits_bytes)}, recompute working set {_g(m.recompute_bytes)}, FSDP gathers "
+            f"{_g(s.fsdp_gathered_bytes)}; AdamW step temporaries {_g(s.optimizer_step_bytes)}",
+            f"  allocated = states + max(activations + FSDP + max(logits, recompute), AdamW temporaries) = "
+            f"{_g(s.allocated_bytes)}",
+            f"  reserved = allocated x {1 + FRAGMENTATION:.2f} + runtime {_g(plan.accelerator.runtime_bytes)} = "
+            f"{_g(s.reserved_bytes)}; device {_g(plan.device_memory)}: headroom {_g(s.headroom_bytes)}",
+        ]
+    embedding = mc.vocab_size * h
+    lines += [
+        f"FLOPs per token = 6 x (N - V*h) + 12 x L x heads x head_dim x s = 6 x {N - embedding:,} + 12 x {L} x "
+        f"{mc.num_heads} x {mc.dim_per_head} x {mc.seq_length} = {t.flops_per_token / 1e9:.2f} GFLOP "
+        f"(causal not halved)",
+        f"model FLOPs per step = {t.flops_per_token / 1e9:.2f} GFLOP x {t.flops_per_step / t.flops_per_token:,.0f} "
+        f"tokens = {t.flops_per_step / 1e15:.3f} PFLOP; with recompute's extra forward "
+        f"{t.hardware_flops_per_step / 1e15:.3f}",
+        f"compute per rank = hardware FLOPs / {dims.world_size} devices / (peak x 0.6) = {t.compute_s:.3f} s; "
+        f"bubble (p-1)/(v*m+p-1) = {t.bubble_fraction:.1%}",
+        f"communication per rank: tp {t.tp_bytes / 1e9:.2f} GB in {t.tp_s:.3f} s, dp {t.dp_bytes / 1e9:.2f} GB in "
+        f"{t.dp_s:.3f} s (hidden behind 80% of compute), pp {t.pp_bytes / 1e9:.2f} GB in {t.pp_s:.3f} s",
+        f"step = compute / (1 - bubble) + tp + pp + max(0, dp - 0.8 x compute) = {t.step_time_s:.3f} s -> "
+        f"{t.tokens_per_s:,.0f} tokens/s, MFU {t.mfu:.1%}",
+    ]
+    return lines
