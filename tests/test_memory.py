@@ -136,3 +136,42 @@ def test_select_recompute_forms_and_bad_ones(capsys):
         assert main(["config", "check", empty, "--recompute_config.select_recompute", value]) == 2
         err = capsys.readouterr().err.strip()
         assert needle in err and "\n" not in err, err
+
+
+@pytest.mark.parametrize(
+    "rank, extra",
+    [
+        (0, ["--parallel_config.optimizer_shard", "true"]),  # dp2 x tp2 x pp2, ZeRO, stage 0 (embedding)
+        (7, ["--parallel_config.optimizer_shard", "true"]),  # stage 1 (norm, head)
+        (
+            1,
+            [
+                "--parallel_config.data_parallel",
+                "1",
+                "--parallel_config.pipeline_stage",
+                "1",
+                "--parallel_config.model_parallel",
+                "2",
+            ],
+        ),  # tp2 alone: the vocab-parallel embedding's whole gradient
+    ],
+)
+def test_planner_states_equal_the_real_parallelize_path_on_fake_tensors_at_7b(rank, extra):
+    """The seed's 7B cut by the real parallelize path (fake process group, FakeTensors: no memory), one forward and
+    backward and one AdamW step: its parameter, gradient and optimizer bytes are the planner's, to the byte."""
+    import subprocess
+    import sys
+
+    bf16 = ["--model.model_config.compute_dtype", "bfloat16"]
+    cmd = [sys.executable, "-m", "meshformer.planner.fake_check", str(ROOT / SEED), "--rank", str(rank), *bf16, *extra]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    fake = json.loads(out.stdout.strip().splitlines()[-1])
+    cfg = load_config(str(ROOT / SEED), [*bf16, *extra])
+    pc = cfg.parallel_config
+    world = pc.data_parallel * pc.model_parallel * pc.pipeline_stage
+    dims = ParallelDims.from_config(cfg, world)
+    stage = plan_memory(cfg, dims, 4, 8 if pc.pipeline_stage > 1 else 1)[dims.coords(rank)["pp"]]
+    assert fake["stage"] == stage.stage
+    for key in ("params_bytes", "grads_bytes", "optimizer_bytes"):
+        assert fake[key] == getattr(stage, key), (key, fake[key], getattr(stage, key))
