@@ -42,6 +42,7 @@ WORLD2 = [
     "fsdp2_zero3_rc_accum",
     "dp2_sel_accum",
     "tp2_sp_sel",
+    "tp2_sel",
     "fsdp2_sel",
     *[c for c in harness.CASES if c.startswith("pp2_")],
     "tp2_sp_accum:tied",
@@ -86,7 +87,7 @@ WORLD4 = [
     "dp2xtp2:lora",
     "dp2xtp2:packed",
 ]
-WORLD8 = ["dp2xtp2xpp2", "dp2xtp2xpp2_rc_accum", "fsdp2xtp2xpp2_sp_rc"]
+WORLD8 = ["dp2xtp2xpp2", "dp2xtp2xpp2_rc_accum", "dp2xtp2xpp2_sel", "fsdp2xtp2xpp2_sp_rc"]
 TWO_NODES = ["dp2xtp2", "fsdp2xpp2", "hsdp2x2_rc"]
 
 
