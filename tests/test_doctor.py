@@ -85,3 +85,33 @@ def test_plan_explain_substitutes_the_numbers(capsys):
     assert "tokens per micro-batch T = micro batch 4 x seq_length 2048 = 8,192" in out
     assert "12 x 32 x 32 x 128 x 2048 = 42.87 GFLOP (causal not halved)" in out
     assert "reserved = allocated x 1.10 + runtime 3.00 GiB" in out
+
+
+def test_cpu_offload_moves_the_states_to_the_host_and_needs_sharding(capsys):
+    import json
+
+    capsys.readouterr()
+    assert main(["plan", SEED, "--json", *BF16, "--parallel_config.optimizer_shard", "true"]) == 0
+    kept = json.loads(capsys.readouterr().out)["stages"][0]
+    assert (
+        main(
+            [
+                "plan",
+                SEED,
+                "--json",
+                *BF16,
+                "--parallel_config.optimizer_shard",
+                "true",
+                "--parallel_config.cpu_offload",
+                "true",
+            ]
+        )
+        == 0
+    )
+    offloaded = json.loads(capsys.readouterr().out)["stages"][0]
+    states = kept["params_bytes"] + kept["grads_bytes"] + kept["optimizer_bytes"]
+    assert offloaded["host_bytes"] == states + kept["optimizer_step_bytes"]
+    assert offloaded["allocated_bytes"] == kept["allocated_bytes"] - states
+    assert main(["plan", SEED, "--parallel_config.cpu_offload", "true"]) == 2
+    err = capsys.readouterr().err
+    assert "parallel_config.cpu_offload=true offloads FSDP's shards" in err and err.count("\n") == 1

@@ -44,6 +44,7 @@ WORLD2 = [
     "tp2_sp_sel",
     "tp2_sel",
     "fsdp2_sel",
+    "fsdp2_offload_accum",
     *[c for c in harness.CASES if c.startswith("pp2_")],
     "tp2_sp_accum:tied",
     "tp2_sp_accum:wrapped",

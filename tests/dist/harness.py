@@ -60,6 +60,7 @@ CASES = {
     # selective recompute (keep matmul/attention/collective outputs, recompute the element-wise work)
     "dp2_sel_accum": ({P + "data_parallel": 2, "recompute_config.select_recompute": True}, 2),
     "tp2_sp_sel": ({P + "model_parallel": 2, P + "use_seq_parallel": True, "recompute_config.select_recompute": True}, 1),
+    "fsdp2_offload_accum": ({P + "data_parallel": 2, P + "optimizer_shard": True, P + "cpu_offload": True}, 2),
     "fsdp2_sel": ({P + "data_parallel": 2, P + "optimizer_shard": True, "recompute_config.select_recompute": True}, 1),
     "pp2_1f1b_sel": ({P + "pipeline_stage": 2, P + "micro_batch_num": 4, "recompute_config.select_recompute": [1, 2]}, 4),
     "pp2_interleaved_1f1b_sel": ({P + "pipeline_stage": 2, P + "micro_batch_num": 4, P + "pp_interleave_num": 2,

@@ -213,6 +213,11 @@ class ParallelConfig:
     optimizer_shard: bool = setting(
         False, "Shard parameters, gradients and optimizer states over data parallel (FSDP)."
     )
+    cpu_offload: bool = setting(
+        False,
+        "Keep the sharded parameters, gradients and optimizer states in host memory; the optimizer steps on the "
+        "CPU (FSDP2 CPU offload; needs optimizer sharding).",
+    )
     zero_stage: int | None = setting(
         None,
         "Optimizer sharding depth: 2 keeps parameters gathered from forward to backward, "

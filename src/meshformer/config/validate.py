@@ -105,6 +105,14 @@ def validate_run(cfg: MeshformerConfig, world_size: int | None) -> None:
             "`meshformer eval --checkpoint DIR --input FILE`, or evaluate during training with "
             "eval_config.eval_interval and do_eval: true"
         )
+    sharded = cfg.optimizer.optimizer_parallel > 1 or (
+        (pc.optimizer_shard or cfg.parallel.enable_parallel_optimizer) and pc.data_parallel > 1
+    )
+    if pc.cpu_offload and not sharded:
+        raise UserError(
+            "parallel_config.cpu_offload=true offloads FSDP's shards, and this layout shards nothing: set "
+            "parallel_config.optimizer_shard: true with data_parallel > 1, or cpu_offload: false"
+        )
     from meshformer.train.loss_scale import LossScaler
 
     LossScaler.from_config(cfg)  # a malformed runner_wrapper.scale_sense is one line here, before any process

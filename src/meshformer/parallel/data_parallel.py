@@ -12,14 +12,16 @@ Each decoder layer is its own FSDP unit (one all-gather / reduce-scatter per lay
 and the root module takes the rest (embedding, final norm, output projection).
 `recompute_config.parallel_optimizer_comm_recompute` picks when parameters are re-sharded: false keeps them
 gathered from forward to backward (ZeRO-2-like, less communication), true frees them after forward and
-all-gathers again in backward (ZeRO-3, less memory).
+all-gathers again in backward (ZeRO-3, less memory). `parallel_config.cpu_offload` keeps the shards, their
+gradients and the optimizer states in host memory (FSDP2's CPUOffloadPolicy): the device holds only the layers
+being computed, and the optimizer steps on the CPU.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from meshformer.config.schema import MeshformerConfig
 from meshformer.parallel.env import ParallelEnv
@@ -50,11 +52,14 @@ def apply_data_parallel(model: nn.Module, cfg: MeshformerConfig, env: ParallelEn
     if env.sharded:
         mesh = env.submesh("dp_replicate", "dp_shard") if env.dp_replicate_size > 1 else env.submesh("dp_shard")
         reshard = reshard_after_forward(cfg)
+        kw = {"mp_policy": mp}
+        if cfg.parallel_config.cpu_offload:  # shards, gradients and optimizer states in host memory
+            kw["offload_policy"] = CPUOffloadPolicy(pin_memory=env.device.type == "cuda")
         for layer in layers:
-            fully_shard(layer, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp)
+            fully_shard(layer, mesh=mesh, reshard_after_forward=reshard, **kw)
         # The root's parameters (embedding, norm, head) are used last in forward and first in backward:
         # keeping them gathered avoids an immediate re-gather.
-        fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=mp)
+        fully_shard(model, mesh=mesh, reshard_after_forward=False, **kw)
     else:
         from torch.distributed._composable.replicate_with_fsdp import replicate
 

@@ -1,7 +1,8 @@
 """`meshformer doctor`: the planner's figures turned into advice, in the order the seed's section 4.1 triages.
 
 1. Memory: if a stage does not fit, try the knobs in the seed's order (micro batch, then recompute, then the
-   parallel degrees and optimizer sharding) on the planner and say what each saves and whether it then fits.
+   parallel degrees, optimizer sharding and CPU offload) on the planner and say what each saves and whether it
+   then fits.
    Too many micro-batches in flight (GPipe keeps all of them: the seed's micro_batch_num 16 -> 8 case) are
    caught the same way.
 2. Pipeline bubble over 10%: the micro_batch_num that brings it under.
@@ -102,6 +103,13 @@ def memory_findings(plan: Plan) -> list[Finding]:
             (
                 "parallel_config.optimizer_shard: true (ZeRO: states sharded over data_parallel)",
                 {"parallel_config.optimizer_shard": True},
+            )
+        )
+    if pc.data_parallel > 1 and not pc.cpu_offload:
+        options.append(
+            (
+                "parallel_config.cpu_offload: true with optimizer_shard (states in host memory)",
+                {"parallel_config.optimizer_shard": True, "parallel_config.cpu_offload": True},
             )
         )
     for tp, pp in ((2 * pc.model_parallel, pc.pipeline_stage), (pc.model_parallel, 2 * pc.pipeline_stage)):

@@ -10,7 +10,8 @@ On top of planner/memory.py's model states and saved activations, a rank's peak 
                 dimension, cuBLAS/attention workspaces), per accelerator (planner/accelerators.py)
   reserved      the caching allocator keeps ~10% more than it hands out (fragmentation)
 Peak allocated = states + max(activations + FSDP + max(logits, recompute), optimizer temporaries); reserved =
-allocated x 1.1 + runtime, compared with the device's memory.
+allocated x 1.1 + runtime, compared with the device's memory. With `cpu_offload` the states and the optimizer
+step are host memory (`host_bytes`) and the device holds the rest.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ class StagePlan:
     allocated_bytes: int
     reserved_bytes: int
     headroom_bytes: int
+    host_bytes: int = 0  # states (and the optimizer step) kept in host memory by cpu_offload
 
     def as_dict(self) -> dict:
         return {
@@ -46,6 +48,7 @@ class StagePlan:
             "allocated_bytes": self.allocated_bytes,
             "reserved_bytes": self.reserved_bytes,
             "headroom_bytes": self.headroom_bytes,
+            "host_bytes": self.host_bytes,
         }
 
 
@@ -117,9 +120,12 @@ def make_plan(
         step_tmp = st.grads_bytes  # foreach AdamW: about one more copy of what it updates
         gathered = 2 * layer_params // dims.tp * a if dims.dp_shard > 1 else 0
         working = st.activations_bytes + gathered + max(logits, st.recompute_bytes)
-        allocated = st.states_bytes + max(working, step_tmp)
+        # cpu_offload: the shards, gradients and optimizer states (and the step) live in host memory
+        offload = cfg.parallel_config.cpu_offload and acc.name != "cpu"
+        host = st.states_bytes + step_tmp if offload else 0
+        allocated = working if offload else st.states_bytes + max(working, step_tmp)
         reserved = int(allocated * (1 + FRAGMENTATION) + acc.runtime_bytes)
-        stages.append(StagePlan(st, logits, step_tmp, gathered, allocated, reserved, int(mem - reserved)))
+        stages.append(StagePlan(st, logits, step_tmp, gathered, allocated, reserved, int(mem - reserved), host))
     return Plan(
         cfg, dims, acc, mem, nodes, micro_batch, n_micro, stages, predict(cfg, dims, acc, micro_batch, n_micro, nodes)
     )
