@@ -13,11 +13,7 @@ def add_parser(sub) -> None:
         help="check a config against memory, bubble, topology and throughput, and say what to change",
         description=__doc__.split("\n\n")[0],
     )
-    p.add_argument("config", help="YAML config (dotted --section.field VALUE overrides may follow)")
-    p.add_argument("--devices", type=int, default=None, help="device count (default: the layout's product)")
-    p.add_argument("--nodes", type=int, default=1, help="nodes the devices are spread over (default 1)")
-    p.add_argument("--accelerator", default="H100", metavar="NAME", help="H100, H200, A100, 910B or cpu")
-    p.add_argument("--device-memory", type=float, default=None, metavar="GB", help="override the device's memory")
+    plan_cmd.add_machine_arguments(p)
     p.add_argument(
         "--target-samples-per-s", type=float, default=None, metavar="X", help="a throughput the run must reach"
     )

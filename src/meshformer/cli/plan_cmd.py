@@ -17,6 +17,19 @@ def add_parser(sub) -> None:
         description="Memory per pipeline stage (parameters, gradients, optimizer states, activations, logits, "
         "runtime, fragmentation) and step time, tokens/s and MFU of a config's layout on an accelerator.",
     )
+    add_machine_arguments(p)
+    p.add_argument("--json", action="store_true", help="print the plan as one JSON object")
+    p.add_argument("--explain", action="store_true", help="print every formula with its numbers substituted")
+    p.add_argument(
+        "--search",
+        action="store_true",
+        help="plan every valid layout for the devices and global batch; print those that fit, fastest first",
+    )
+    p.set_defaults(func=run, accepts_overrides=True)
+
+
+def add_machine_arguments(p) -> None:
+    """The config and the machine it is planned for (shared with `meshformer doctor`)."""
     p.add_argument("config", help="YAML config (dotted --section.field VALUE overrides may follow)")
     p.add_argument("--devices", type=int, default=None, help="device count (default: the layout's product)")
     p.add_argument("--nodes", type=int, default=1, help="nodes the devices are spread over (default 1)")
@@ -27,14 +40,6 @@ def add_parser(sub) -> None:
         help="H100, H200, A100, 910B or cpu (measured here); default H100",
     )
     p.add_argument("--device-memory", type=float, default=None, metavar="GB", help="override the device's memory")
-    p.add_argument("--json", action="store_true", help="print the plan as one JSON object")
-    p.add_argument("--explain", action="store_true", help="print every formula with its numbers substituted")
-    p.add_argument(
-        "--search",
-        action="store_true",
-        help="plan every valid layout for the devices and global batch; print those that fit, fastest first",
-    )
-    p.set_defaults(func=run, accepts_overrides=True)
 
 
 def build(args):
