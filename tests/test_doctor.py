@@ -33,7 +33,7 @@ def test_the_seeds_throughput_claim_and_memory_are_flagged_with_their_arithmetic
         )
     ]
     assert order == sorted(order)  # the seed's triage: micro batch, then recompute, then degrees
-    assert "recompute_config.recompute: true: saves 52.0 GiB -> 37.5 GiB, fits" in out
+    assert "recompute_config.recompute: true: saves 52.6 GiB -> 36.7 GiB, fits" in out
     assert "pipeline bubble 11% (> 10%) with micro_batch_num 8 over 2 stages" in out
 
 
@@ -84,7 +84,7 @@ def test_plan_explain_substitutes_the_numbers(capsys):
     out = " ".join(capsys.readouterr().out.split())
     assert "tokens per micro-batch T = micro batch 4 x seq_length 2048 = 8,192" in out
     assert "12 x 32 x 32 x 128 x 2048 = 42.87 GFLOP (causal not halved)" in out
-    assert "reserved = allocated x 1.10 + runtime 3.00 GiB" in out
+    assert "reserved = allocated x 1.10 + runtime 2.80 GiB" in out
 
 
 def test_cpu_offload_moves_the_states_to_the_host_and_needs_sharding(capsys):
@@ -110,7 +110,8 @@ def test_cpu_offload_moves_the_states_to_the_host_and_needs_sharding(capsys):
     )
     offloaded = json.loads(capsys.readouterr().out)["stages"][0]
     states = kept["params_bytes"] + kept["grads_bytes"] + kept["optimizer_bytes"]
-    assert offloaded["host_bytes"] == states + kept["optimizer_step_bytes"]
+    # on the host the update is foreach AdamW over CPU tensors: its temporaries (a gradients' worth) come along
+    assert offloaded["host_bytes"] == states + kept["grads_bytes"]
     assert offloaded["allocated_bytes"] == kept["allocated_bytes"] - states
     assert main(["plan", SEED, "--parallel_config.cpu_offload", "true"]) == 2
     err = capsys.readouterr().err

@@ -268,6 +268,9 @@ class OptimizerConfig:
         0, "Shard optimizer states over this many data-parallel ranks (0: off; FSDP/HSDP).", ge=0
     )
     foreach: bool = setting(True, "Use torch's multi-tensor AdamW kernels.")
+    fused: bool | None = setting(
+        None, "Use torch's fused AdamW kernel (one launch, no temporaries); default: on GPUs, off on CPUs."
+    )
 
 
 @dataclass
@@ -348,6 +351,20 @@ class RecomputeConfig:
     )
     mp_comm_recompute: bool = setting(True, "Recompute tensor-parallel communication inside recomputed layers.")
     recompute_slice_activation: bool = setting(True, "Keep sliced (sequence-parallel) activations only (accepted).")
+
+
+@dataclass
+class SwapConfig:
+    swap: bool = setting(
+        False, "Move what decoder layers save for backward to pinned host memory in forward, back in backward (GPU)."
+    )
+    default_prefetch: int = setting(
+        1, "Layers ahead that backward brings back from host memory (MindSpore counts operators here).", ge=1
+    )
+    layer_swap: list | None = setting(
+        None, "Layers that swap: [{layers: true or [global layer indices], backward_prefetch: n}]; none: all."
+    )
+    op_swap: list | None = setting(None, "MindSpore's per-operator swap (refused: meshformer swaps whole layers).")
 
 
 @dataclass
@@ -436,6 +453,8 @@ class MeshformerConfig:
         ParallelContextConfig, "MindSpore parallel context (mostly accepted for compatibility)."
     )
     recompute_config: RecomputeConfig = setting(RecomputeConfig, "Activation recomputation.")
+    swap_config: SwapConfig = setting(SwapConfig, "Activation swap to host memory (GPU runs).")
+    compile: bool = setting(False, "Compile each decoder layer with torch.compile (Inductor); experimental.")
     optimizer: OptimizerConfig = setting(OptimizerConfig, "Optimizer and its hyper-parameters.")
     lr_schedule: LrScheduleConfig = setting(LrScheduleConfig, "Learning-rate schedule.")
     runner_config: RunnerConfig = setting(RunnerConfig, "Run length and accumulation.")

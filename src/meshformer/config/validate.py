@@ -60,6 +60,7 @@ def validate_config(cfg: MeshformerConfig) -> None:
             )
     if isinstance(sel, dict):
         check_select_recompute(sel)
+    check_swap(cfg)
     ls = cfg.lr_schedule
     if ls.total_steps == 0 or ls.total_steps < -1:
         raise UserError(
@@ -77,6 +78,28 @@ def validate_config(cfg: MeshformerConfig) -> None:
 # element-wise work meshformer's selective policy recomputes anyway (parallel/recompute.py), so a dict decides
 # which layers, not which operations; a key naming none of them is probably a typo.
 SELECT_RECOMPUTE_OPS = ("mul", "silu", "activation", "reshape", "add", "norm", "cast", "softmax")
+
+
+def check_swap(cfg: MeshformerConfig) -> None:
+    """swap_config: whole layers only, by valid global indices."""
+    sc, n = cfg.swap_config, cfg.model.model_config.num_layers
+    if sc.op_swap:
+        raise UserError(
+            "swap_config.op_swap: meshformer swaps whole layers, not single operators: use swap_config.layer_swap "
+            "(e.g. [{layers: [0, 1], backward_prefetch: 1}])"
+        )
+    for i, entry in enumerate(sc.layer_swap or []):
+        where = f"swap_config.layer_swap[{i}]"
+        if not isinstance(entry, dict) or set(entry) - {"layers", "backward_prefetch"}:
+            raise UserError(f"{where}={entry!r}: give {{layers: true or [layer indices], backward_prefetch: n}}")
+        layers, pre = entry.get("layers", True), entry.get("backward_prefetch", 1)
+        if layers is not True and not (
+            isinstance(layers, list)
+            and all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x < n for x in layers)
+        ):
+            raise UserError(f"{where}.layers={layers!r}: give true or a list of layer indices in [0, {n})")
+        if not isinstance(pre, int) or isinstance(pre, bool) or pre < 1:
+            raise UserError(f"{where}.backward_prefetch={pre!r}: give a whole number of layers, at least 1")
 
 
 def check_select_recompute(select: dict) -> None:

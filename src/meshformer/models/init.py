@@ -3,7 +3,9 @@
 Every parameter is drawn from its own generator, seeded by (seed, the parameter's name), in its full
 (unsharded) shape; a rank that holds a shard (tensor parallel / FSDP DTensor) keeps its slice of that full
 tensor. So the initial weights depend only on `seed` and the model config, never on the process layout:
-a pipeline stage, a tensor-parallel shard and a single process all start from the same numbers.
+a pipeline stage, a tensor-parallel shard and a single process all start from the same numbers. On a GPU the
+numbers are drawn there (a CPU draws an 8B model's weights in minutes), from the GPU's generator: the same on every
+GPU rank, different from a CPU run's.
 """
 
 from __future__ import annotations
@@ -49,7 +51,8 @@ def init_weights(model: nn.Module, seed: int, dtype: torch.dtype | None = None) 
     std = model.config.init_std if hasattr(model, "config") else 0.02
     for fqn, p in model.named_parameters():
         name = canonical_name(fqn)
-        full = _draw(name, tuple(p.shape), seed, std)  # a DTensor's shape is the global (full) shape
+        where = p.device if p.device.type == "cuda" else torch.device("cpu")
+        full = _draw(name, tuple(p.shape), seed, std, where)  # a DTensor's shape is the global (full) shape
         if dtype is not None:
             full = full.to(dtype)
         if hasattr(p, "device_mesh"):  # DTensor: keep this rank's slice of the full tensor
@@ -64,14 +67,19 @@ def init_weights(model: nn.Module, seed: int, dtype: torch.dtype | None = None) 
             m.reset_parameters()
 
 
-def _draw(name: str, shape: tuple, seed: int, std: float) -> torch.Tensor:
+def _draw(name: str, shape: tuple, seed: int, std: float, device: torch.device) -> torch.Tensor:
+    with device:
+        return _draw_here(name, shape, seed, std, device)
+
+
+def _draw_here(name: str, shape: tuple, seed: int, std: float, device: torch.device) -> torch.Tensor:
     leaf = name.rsplit(".", 1)[-1]
     parent = name.rsplit(".", 2)[-2] if name.count(".") >= 1 else ""
     if "norm" in parent:  # input_layernorm, post_attention_layernorm, norm, q_norm, k_norm
         return torch.ones(shape)
     if leaf == "bias":
         return torch.zeros(shape)
-    g = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63))
+    g = torch.Generator(device).manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63))
     lora = lora_init(name, shape, g)
     if lora is not None:
         return lora

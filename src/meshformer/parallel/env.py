@@ -148,6 +148,10 @@ class ParallelEnv:
 def local_device() -> torch.device:
     """This process's device: the GPU of its LOCAL_RANK when there are GPUs, else the CPU."""
     if torch.cuda.is_available():
+        # Expandable segments (as torchtitan sets): blocks grow in place instead of new fixed-size segments, so
+        # the caching allocator reserves little beyond what it hands out. Read when CUDA first allocates; a
+        # user's own setting wins.
+        os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
         local = int(os.environ.get("LOCAL_RANK", "0"))
         if local >= torch.cuda.device_count():
             raise UserError(

@@ -1,7 +1,8 @@
 """`parallelize`: the one place that composes the parallel techniques, in one order, on a meta-device model.
 
 Order (see docs/design.md): pipeline split (which pieces this rank holds) -> tensor parallel (the model family's
-plan, DTensor) -> activation recompute (wraps layers, so it also recomputes their TP collectives) -> data
+plan, DTensor) -> activation recompute (wraps layers, so it also recomputes their TP collectives) -> activation
+swap on the layers not recomputed (hooks, GPU runs only: a CPU run's host memory is its device memory) -> data
 parallel or FSDP (wraps layers, then the piece, so FSDP's units contain the recompute wrappers). Model transforms
 (LoRA, freezing, ...) ran before this, in models/transforms.py. Nothing is allocated until `materialize`.
 """
@@ -17,7 +18,17 @@ from meshformer.parallel.parts import LossFn, ModelParts
 from meshformer.parallel.pipeline import split_pipeline
 from meshformer.parallel.pipeline_parts import PipelineParts
 from meshformer.parallel.recompute import apply_recompute
+from meshformer.parallel.swap import apply_swap
 from meshformer.parallel.tp import apply_tp
+
+
+def apply_compile(model: nn.Module) -> None:
+    """torch.compile each decoder layer (after recompute wraps it, before FSDP wraps it, as torchtitan does): the
+    layers share one compiled graph, and FSDP's hooks stay outside it."""
+    import torch
+
+    for key in list(model.layers.keys()):
+        model.layers[key] = torch.compile(model.layers[key])
 
 
 def parallelize(model: nn.Module, cfg: MeshformerConfig, env: ParallelEnv, loss_fn: LossFn) -> ModelParts:
@@ -28,6 +39,10 @@ def parallelize(model: nn.Module, cfg: MeshformerConfig, env: ParallelEnv, loss_
             apply_tp(part, env.submesh("tp"), model.tp_plan(), cfg.parallel_config.use_seq_parallel)
         rc = cfg.recompute_config
         apply_recompute(part, rc.recompute, stage_index=env.pp_rank, select=rc.select_recompute)
+        if env.device.type == "cuda":
+            apply_swap(part, cfg.swap_config)
+        if cfg.compile:
+            apply_compile(part)
         apply_data_parallel(part, cfg, env)
     if env.pp_size > 1:
         return PipelineParts([p for _, p in pieces], [s for s, _ in pieces], cfg, env, loss_fn)

@@ -53,26 +53,34 @@ for _name in ("all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor", "
 KEPT_LISTENERS: list = []
 
 
-class _ReportingSlots(dict):
+def _report(value) -> None:
+    if KEPT_LISTENERS:
+        for kept in torch.utils._pytree.tree_leaves(value):
+            t = getattr(kept, "val", None)
+            if isinstance(t, torch.Tensor):
+                for listener in KEPT_LISTENERS:
+                    listener(t)
+
+
+class _ReportingSlots(dict):  # torch >= 2.12 keeps each op's outputs by call index
     def __setitem__(self, idx, value) -> None:
         super().__setitem__(idx, value)
-        if KEPT_LISTENERS:
-            for kept in torch.utils._pytree.tree_leaves(value):
-                t = getattr(kept, "val", None)
-                if isinstance(t, torch.Tensor):
-                    for listener in KEPT_LISTENERS:
-                        listener(t)
+        _report(value)
 
 
-class _ReportingStorage(defaultdict):
-    def __init__(self):
-        super().__init__(_ReportingSlots)
+class _ReportingList(list):  # torch <= 2.11 appends them
+    def append(self, value) -> None:
+        super().append(value)
+        _report(value)
 
 
 def _selective_contexts(policy):
     forward, recompute = create_selective_checkpoint_contexts(policy)
-    if hasattr(forward, "storage") and hasattr(recompute, "storage"):
-        forward.storage = recompute.storage = _ReportingStorage()
+    storage = getattr(forward, "storage", None)
+    if isinstance(storage, defaultdict) and storage is getattr(recompute, "storage", None):
+        slots = {dict: _ReportingSlots, list: _ReportingList}.get(storage.default_factory)
+        if slots is not None:
+            forward.storage = recompute.storage = defaultdict(slots)
     return forward, recompute
 
 

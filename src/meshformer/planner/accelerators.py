@@ -22,8 +22,18 @@ class Accelerator:
     intra_bw: float  # bytes/s per device per direction inside a node
     inter_bw: float  # bytes/s per device per direction between nodes
     devices_per_node: int
-    runtime_bytes: float  # context + communicators + workspaces the framework takes before any tensor
+    runtime_bytes: float  # CUDA/CANN context + library workspaces the process holds outside the allocator
     source: str
+    efficiency: float = 0.4  # share of peak meshformer's training step reaches (hardware FLOPs), measured
+    host_bw: float = 50 * GB  # device <-> pinned host memory, bytes/s per direction (activation swap)
+    communicator_bytes: float = 0.5 * (1 << 30)  # buffers of one collective communicator (NCCL/HCCL), per group
+
+    def runtime(self, dims) -> float:
+        """Bytes outside the tensors: the context, plus one communicator per parallel dimension in use (and the
+        world group's)."""
+        groups = sum(n > 1 for n in (dims.dp_replicate, dims.dp_shard, dims.tp, dims.pp))
+        groups += 1 if dims.world_size > 1 else 0
+        return self.runtime_bytes + groups * self.communicator_bytes
 
 
 ACCELERATORS = {
@@ -35,7 +45,7 @@ ACCELERATORS = {
         450 * GB,
         50 * GB,
         8,
-        3.0 * (1 << 30),
+        0.8 * (1 << 30),
         "NVIDIA H100 SXM5 data sheet (989.4 TFLOP/s dense BF16, 80 GB HBM3, NVLink 900 GB/s both directions); "
         "400 Gb/s InfiniBand per GPU",
     ),
@@ -47,7 +57,7 @@ ACCELERATORS = {
         450 * GB,
         50 * GB,
         8,
-        3.0 * (1 << 30),
+        0.8 * (1 << 30),
         "NVIDIA H200 SXM data sheet (989.4 TFLOP/s dense BF16, 141 GB HBM3e, NVLink 900 GB/s); 400 Gb/s IB per GPU",
     ),
     "A100": Accelerator(
@@ -58,7 +68,7 @@ ACCELERATORS = {
         300 * GB,
         25 * GB,
         8,
-        2.5 * (1 << 30),
+        0.8 * (1 << 30),
         "NVIDIA A100 SXM4 80GB data sheet (312 TFLOP/s BF16, NVLink 600 GB/s both directions); 200 Gb/s IB per GPU",
     ),
     "910B": Accelerator(
@@ -72,13 +82,18 @@ ACCELERATORS = {
         3.0 * (1 << 30),
         "Huawei Ascend 910B (Atlas 800T A2): 313 TFLOP/s FP16, 64 GB HBM2e, HCCS 392 GB/s both directions; "
         "200 Gb/s RoCE per NPU",
+        efficiency=0.6,  # MindSpore's graph mode: its published Llama 2 7B figure (docs/memory.md)
+        host_bw=25 * GB,  # PCIe Gen4 x16
     ),
 }
 ALIASES = {"ascend": "910B", "ascend910b": "910B", "atlas800ta2": "910B", "h100sxm": "H100", "a100sxm": "A100"}
 
-# Share of peak that large dense matmuls reach in training (torchtitan and Megatron report 40-58% MFU; the rest
-# is attention, norms, communication not hidden and the optimizer, which the planner models separately).
-MATMUL_EFFICIENCY = 0.6
+# `efficiency`, the share of peak a training step's hardware FLOPs reach. NVIDIA: measured with meshformer on one
+# H200 (bench/gpu_train.py, torch 2.11 eager, docs/benchmarks.md): 30% (Llama 1B shape, seq 2048) to 51% (8B shape,
+# seq 8192); 0.4 is their middle. The 8192^3 bf16 matmul alone reached 82% there: the rest of a step is kernel
+# launches, element-wise work, attention and the optimizer. `runtime_bytes` 0.8 GiB: what that process held outside
+# the caching allocator (0.75-0.86 GiB); a communicator's 0.5 GiB is an estimate (NCCL's default 4 MiB buffers x
+# channels x peers), not measured here (one GPU). host_bw: PCIe Gen5 x16 pinned copies, ~50 GB/s.
 
 
 def cpu_accelerator(memory_bytes: float | None = None) -> Accelerator:
@@ -93,7 +108,17 @@ def cpu_accelerator(memory_bytes: float | None = None) -> Accelerator:
     bf16, _ = peak_flops(cpu, torch.bfloat16, 0)
     mem = memory_bytes or device_memory_bytes(cpu) or 16 * GB
     return Accelerator(
-        "cpu", bf16, fp32, mem, 5 * GB, 1 * GB, 1, 0.3 * (1 << 30), "measured here (timed matmul); gloo over loopback"
+        "cpu",
+        bf16,
+        fp32,
+        mem,
+        5 * GB,
+        1 * GB,
+        1,
+        0.3 * (1 << 30),
+        "measured here (timed matmul); gloo over loopback",
+        efficiency=0.6,
+        communicator_bytes=0,
     )
 
 

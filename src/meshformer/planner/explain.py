@@ -45,9 +45,9 @@ def explain(plan: Plan) -> list[str]:
             f"(+ last stage's norm and log-softmax T*V/t*4 = {_g(T * mc.vocab_size // tp * 4)}; + receive buffers)",
             f"  + logits {_g(s.logits_bytes)}, recompute working set {_g(m.recompute_bytes)}, FSDP gathers "
             f"{_g(s.fsdp_gathered_bytes)}; AdamW step temporaries {_g(s.optimizer_step_bytes)}",
-            f"  allocated = states + max(activations + FSDP + max(logits, recompute), AdamW temporaries) = "
-            f"{_g(s.allocated_bytes)}",
-            f"  reserved = allocated x {1 + FRAGMENTATION:.2f} + runtime {_g(plan.accelerator.runtime_bytes)} = "
+            f"  allocated = weights + AdamW states + max(activations + FSDP + max(logits, recompute) [+ gradients "
+            f"when accumulating or pipelining], gradients + AdamW temporaries) = {_g(s.allocated_bytes)}",
+            f"  reserved = allocated x {1 + FRAGMENTATION:.2f} + runtime {_g(plan.accelerator.runtime(plan.dims))} = "
             f"{_g(s.reserved_bytes)}; device {_g(plan.device_memory)}: headroom {_g(s.headroom_bytes)}",
         ]
     embedding = mc.vocab_size * h
@@ -58,11 +58,14 @@ def explain(plan: Plan) -> list[str]:
         f"model FLOPs per step = {t.flops_per_token / 1e9:.2f} GFLOP x {t.flops_per_step / t.flops_per_token:,.0f} "
         f"tokens = {t.flops_per_step / 1e15:.3f} PFLOP; with recompute's extra forward "
         f"{t.hardware_flops_per_step / 1e15:.3f}",
-        f"compute per rank = hardware FLOPs / {dims.world_size} devices / (peak x 0.6) = {t.compute_s:.3f} s; "
+        f"compute per rank = hardware FLOPs / {dims.world_size} devices / (peak x {plan.accelerator.efficiency}) = "
+        f"{t.compute_s:.3f} s; "
         f"bubble (p-1)/(v*m+p-1) = {t.bubble_fraction:.1%}",
         f"communication per rank: tp {t.tp_bytes / 1e9:.2f} GB in {t.tp_s:.3f} s, dp {t.dp_bytes / 1e9:.2f} GB in "
         f"{t.dp_s:.3f} s (hidden behind 80% of compute), pp {t.pp_bytes / 1e9:.2f} GB in {t.pp_s:.3f} s",
-        f"step = compute / (1 - bubble) + tp + pp + max(0, dp - 0.8 x compute) = {t.step_time_s:.3f} s -> "
+        f"activation swap: {t.swap_bytes / 1e9:.2f} GB each way over {plan.accelerator.host_bw / 1e9:.0f} GB/s, "
+        f"overlapping forward (1/3 of compute) and backward (2/3): {t.swap_s:.3f} s on the critical path",
+        f"step = compute / (1 - bubble) + tp + pp + swap + max(0, dp - 0.8 x compute) = {t.step_time_s:.3f} s -> "
         f"{t.tokens_per_s:,.0f} tokens/s, MFU {t.mfu:.1%}",
     ]
     return lines

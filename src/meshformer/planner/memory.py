@@ -66,6 +66,7 @@ class StageMemory:
     activations_bytes: int  # peak of the bytes saved for backward, micro-batches in flight included
     in_flight: int  # micro-batches whose activations this rank holds at once
     recompute_bytes: int = 0  # one recomputed layer's activations, alive again during its backward
+    swapped_bytes: int = 0  # activations swapped layers keep in host memory (swap_config), micro-batches in flight
 
     @property
     def states_bytes(self) -> int:
@@ -256,15 +257,20 @@ def stage_memory(
     layer_input = T * mc.hidden_size * residual // (tp if sp else 1)
     n_stages = pc.pipeline_stage * _stages_per_rank(cfg)
     largest = 0
+    swapped, swap_host = _swapped_layers(cfg, pieces), {}
     per_stage, buffer = {}, {}  # bytes a micro-batch leaves saved on each stage; a later stage's received input
     for s, piece in pieces:
         kept = 0
         grad = s > 0 or any(p.requires_grad for p in piece.embed_tokens.parameters())
         n_rc, n_sel = _recomputed_layers(cfg, pp_rank, len(piece.layers))
-        for i, layer in enumerate(piece.layers.values()):
+        swap_host[s] = 0
+        for i, (key, layer) in enumerate(piece.layers.items()):
             g = LayerGrads.of(layer)
             full, grad_out = layer_activation_bytes(mc, T, tp, sp, dt, casts, g, grad)
-            if i < n_rc:  # recomputed: keeps its input; its backward holds the full set again, one layer at a time
+            if int(key) in swapped[0]:  # in host memory; backward holds this layer and the prefetched ones
+                swap_host[s] += full
+                largest = max(largest, (1 + swapped[1]) * full)
+            elif i < n_rc:  # recomputed: keeps its input; its backward holds the full set again, one layer at a time
                 kept += layer_input if grad or grad_out else 0
                 largest = max(largest, full)
             elif i < n_sel:  # selective: keeps the matmul, attention and collective outputs
@@ -295,13 +301,23 @@ def stage_memory(
         )
     if actions is not None:
         live, k = peak_live(actions, {s: per_stage[s] - buffer[s] for s in per_stage})
+        host, _ = peak_live(actions, swap_host)
     else:
         k = _in_flight(cfg, n_micro, pp_rank)
         live = sum(k * (per_stage[s] - buffer[s]) for s in per_stage)
+        host = k * sum(swap_host.values())
     activations = live + (n_micro * sum(buffer.values()) if dims.pp > 1 else 0)
     if autocast and not gathered_low:
         activations += matmul * dt["compute"]  # autocast's low-precision weight copies, one per autocast region
-    return StageMemory(pp_rank, layers, params, grads, optim, activations, k, largest)
+    return StageMemory(pp_rank, layers, params, grads, optim, activations, k, largest, host)
+
+
+def _swapped_layers(cfg: MeshformerConfig, pieces: list) -> tuple[set[int], int]:
+    """(global indices of this rank's layers that swap to host memory, layers prefetched ahead)."""
+    from meshformer.parallel.swap import swapped_layers
+
+    ids = [int(k) for _, piece in pieces for k in piece.layers.keys()]
+    return swapped_layers(cfg.swap_config, ids)
 
 
 def _pieces(cfg: MeshformerConfig, dims: ParallelDims, pp_rank: int) -> list:

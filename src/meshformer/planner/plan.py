@@ -3,19 +3,26 @@
 On top of planner/memory.py's model states and saved activations, a rank's peak holds:
   logits        the last stage's logits (T x vocab / t in the compute dtype) and, below fp32, their fp32 copy for
                 the loss, alive together with the saved activations at the end of the forward pass
-  optimizer     foreach AdamW's temporaries at the step, about one more copy of what it updates (the gradients)
+  optimizer     foreach AdamW's temporaries at the step, about one more copy of what it updates (the gradients);
+                none for fused AdamW (the default on GPUs)
   recompute     one recomputed layer's activations, made again during its backward (after the logits are freed)
   FSDP          the gathered weights of two layers (the one computing and the one prefetched), compute dtype
   runtime       what the framework takes before any tensor (CUDA context, one communicator per parallel
                 dimension, cuBLAS/attention workspaces), per accelerator (planner/accelerators.py)
   reserved      the caching allocator keeps ~10% more than it hands out (fragmentation)
-Peak allocated = states + max(activations + FSDP + max(logits, recompute), optimizer temporaries); reserved =
-allocated x 1.1 + runtime, compared with the device's memory. With `cpu_offload` the states and the optimizer
-step are host memory (`host_bytes`) and the device holds the rest.
+Gradients are freed after every step (zero_grad(set_to_none)), so a step of one micro-batch peaks before any
+exists; accumulation and pipeline schedules run later micro-batches' forwards with them. Peak allocated =
+parameters + optimizer states + max(activations + FSDP + max(logits, recompute) [+ gradients when accumulating or
+pipelining], gradients + optimizer temporaries); reserved = allocated x 1.1 + runtime, compared with the device's
+memory. With `cpu_offload` the states and the optimizer
+step are host memory (`host_bytes`) and the device holds the rest; so are swapped layers' activations
+(`swap_config`), of which the device holds the layer in backward and those prefetched (in `recompute_bytes`).
+A CPU run has no host memory apart from its own, so there swap is off.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -107,8 +114,11 @@ def make_plan(
     nodes: int = 1,
     device_memory: float | None = None,
 ) -> Plan:
+    if acc.name == "cpu" and cfg.swap_config.swap:
+        cfg = dataclasses.replace(cfg, swap_config=dataclasses.replace(cfg.swap_config, swap=False))
     mc = cfg.model.model_config
     mem = device_memory or acc.memory_bytes
+    fused = cfg.optimizer.fused if cfg.optimizer.fused is not None else acc.name != "cpu"
     low = mc.compute_dtype != "float32"
     a = 2 if low else 4
     T = micro_batch * mc.seq_length
@@ -117,18 +127,20 @@ def make_plan(
     for st in plan_memory(cfg, dims, micro_batch, n_micro):
         last = st.stage == dims.pp - 1 or (dims.pp > 1 and cfg.parallel_config.pipeline_schedule in _V)
         logits = (T * math.ceil(mc.vocab_size / dims.tp) * (a + (4 if low else 0))) if last else 0
-        step_tmp = st.grads_bytes  # foreach AdamW: about one more copy of what it updates
+        offload = cfg.parallel_config.cpu_offload and acc.name != "cpu"
+        step_tmp = 0 if fused and not offload else st.grads_bytes  # foreach: one more copy of what it updates
         gathered = 2 * layer_params // dims.tp * a if dims.dp_shard > 1 else 0
         working = st.activations_bytes + gathered + max(logits, st.recompute_bytes)
         # cpu_offload: the shards, gradients and optimizer states (and the step) live in host memory
-        offload = cfg.parallel_config.cpu_offload and acc.name != "cpu"
-        host = st.states_bytes + step_tmp if offload else 0
-        allocated = working if offload else st.states_bytes + max(working, step_tmp)
-        reserved = int(allocated * (1 + FRAGMENTATION) + acc.runtime_bytes)
+        host = (st.states_bytes + step_tmp if offload else 0) + st.swapped_bytes
+        early = st.grads_bytes if n_micro > 1 or dims.pp > 1 else 0  # gradients alive at the activation peak
+        resident = st.params_bytes + st.optimizer_bytes
+        allocated = working if offload else resident + max(working + early, st.grads_bytes + step_tmp)
+        reserved = int(allocated * (1 + FRAGMENTATION) + acc.runtime(dims))
         stages.append(StagePlan(st, logits, step_tmp, gathered, allocated, reserved, int(mem - reserved), host))
-    return Plan(
-        cfg, dims, acc, mem, nodes, micro_batch, n_micro, stages, predict(cfg, dims, acc, micro_batch, n_micro, nodes)
-    )
+    swapped = max(st.memory.swapped_bytes for st in stages) * max(1, n_micro) / max(1, stages[0].memory.in_flight)
+    throughput = predict(cfg, dims, acc, micro_batch, n_micro, nodes, swapped)
+    return Plan(cfg, dims, acc, mem, nodes, micro_batch, n_micro, stages, throughput)
 
 
 _V = ("zbv_zero_bubble", "dualpipev")  # V schedules: rank 0 also holds the last stage

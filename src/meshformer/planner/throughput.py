@@ -12,7 +12,9 @@ all-gather or reduce-scatter):
   data parallel    one all-reduce of the gradients (fp32); FSDP: all-gather of the weights in forward (and again
                    in backward with ZeRO-3) + reduce-scatter of the gradients
   pipeline         T x h (/ t) activations forward and their gradients backward per stage boundary and micro-batch
-Step time = compute / (1 - bubble) + tensor-parallel and pipeline transfers (on the critical path) + the part
+Activation swap: the swapped bytes go to host memory during forward (overlapping its third of the compute) and
+come back during backward (its two thirds), at the accelerator's host link bandwidth.
+Step time = compute / (1 - bubble) + tensor-parallel and pipeline transfers (on the critical path) + swap + the part
 of the data-parallel transfers that does not hide behind the backward pass (assumed: all but 20% of compute).
 Bubble = (p - 1) / (m + p - 1) for GPipe and 1F1B, divided by v for interleaved schedules with v stages per rank.
 """
@@ -24,7 +26,7 @@ from dataclasses import dataclass
 from meshformer.config.schema import MeshformerConfig
 from meshformer.models.llama import param_count
 from meshformer.parallel.dims import ParallelDims
-from meshformer.planner.accelerators import MATMUL_EFFICIENCY, Accelerator
+from meshformer.planner.accelerators import Accelerator
 
 
 @dataclass
@@ -44,6 +46,8 @@ class Throughput:
     tokens_per_s: float
     samples_per_s: float
     mfu: float
+    swap_bytes: float = 0.0  # per rank and step, each way
+    swap_s: float = 0.0  # the part of the swap copies that does not hide behind compute
 
 
 def flops_per_token(cfg: MeshformerConfig) -> float:
@@ -74,8 +78,15 @@ def recompute_share(cfg: MeshformerConfig) -> float:
 
 
 def predict(
-    cfg: MeshformerConfig, dims: ParallelDims, acc: Accelerator, micro_batch: int, n_micro: int, nodes: int = 1
+    cfg: MeshformerConfig,
+    dims: ParallelDims,
+    acc: Accelerator,
+    micro_batch: int,
+    n_micro: int,
+    nodes: int = 1,
+    swapped_bytes: float | None = None,
 ) -> Throughput:
+    """`swapped_bytes`: activation bytes a rank sends to host memory (and back) per step (swap_config)."""
     mc = cfg.model.model_config
     low = mc.compute_dtype != "float32"
     peak = acc.peak_bf16 if low else acc.peak_fp32
@@ -87,7 +98,7 @@ def predict(
     layer_share = 1 - 6 * mc.vocab_size * mc.hidden_size * (0 if mc.tie_word_embeddings else 1) / max(fpt, 1)
     hardware = model_flops * (1 + recompute_share(cfg) * layer_share / 3)
     world = dims.world_size
-    compute = hardware / world / (peak * MATMUL_EFFICIENCY)
+    compute = hardware / world / (peak * acc.efficiency)
     bubble = bubble_fraction(cfg, n_micro)
 
     T, h, L = micro_batch * mc.seq_length, mc.hidden_size, mc.num_layers
@@ -109,7 +120,10 @@ def predict(
     dp_bw = acc.inter_bw if nodes > 1 else acc.intra_bw
     pp_bw = acc.inter_bw if nodes > 1 and dims.pp > 1 else acc.intra_bw
     tp_s, dp_s, pp_s = tp_bytes / tp_bw, dp_bytes / dp_bw, pp_bytes / pp_bw
-    step = compute / (1 - bubble) + tp_s + pp_s + max(0.0, dp_s - 0.8 * compute)
+    swap_bytes = swapped_bytes if swapped_bytes is not None else 0.0
+    swap_t = swap_bytes / acc.host_bw
+    swap_s = max(0.0, swap_t - compute / 3) + max(0.0, swap_t - 2 * compute / 3)
+    step = compute / (1 - bubble) + tp_s + pp_s + swap_s + max(0.0, dp_s - 0.8 * compute)
     return Throughput(
         fpt,
         model_flops,
@@ -126,4 +140,6 @@ def predict(
         tokens / step,
         global_batch / step,
         model_flops / step / (world * peak),
+        swap_bytes,
+        swap_s,
     )

@@ -43,7 +43,21 @@ def build_optimizer(named_params, cfg: MeshformerConfig) -> torch.optim.Optimize
     groups = param_groups(named_params, cfg)
     for g in groups:
         g["lr"] = lr * g["lr_scale"]
-    return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=oc.eps, foreach=oc.foreach)
+    fused = use_fused(oc.fused, [p for g in groups for p in g["params"]])
+    foreach = oc.foreach and not fused
+    return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=oc.eps, foreach=foreach, fused=fused or None)
+
+
+def use_fused(setting: bool | None, params) -> bool:
+    """optimizer.fused, or by default: fused on GPUs (one kernel, no multi-tensor temporaries), not on CPUs,
+    where the multi-tensor path is what the parity suite pins."""
+    if setting is not None:
+        return setting
+    return bool(params) and all(_local(p).device.type == "cuda" for p in params)
+
+
+def _local(p: torch.Tensor) -> torch.Tensor:
+    return p.to_local() if hasattr(p, "to_local") else p
 
 
 class Optimizers:

@@ -460,6 +460,8 @@ def run_training(cfg: MeshformerConfig, notices: list[str] | None = None) -> dic
     """Train; a collective that fails because a rank died or hung ends the run naming that rank (RunFailed)."""
     notices = [*(notices or []), *apply_finetune_base(cfg)]
     env = init_parallel(cfg)
+    if cfg.swap_config.swap and env.device.type != "cuda":
+        notices.append("swap_config.swap: a CPU run keeps activations in host memory anyway; swap is off")
     trainer, ok = None, False
     try:
         trainer = Trainer(cfg, notices, env)
