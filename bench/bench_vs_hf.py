@@ -67,6 +67,13 @@ def parse_args(argv=None):
         default="config",
         help="meshformer's optimizer.foreach (config: the schema default)",
     )
+    p.add_argument(
+        "--mf",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="extra meshformer config override, repeatable (e.g. compile=true, optimizer.fused=true)",
+    )
     p.add_argument("--show-steps", type=int, default=5, help="print per-step losses of this many first steps")
     p.add_argument("--peak-flops", type=float, default=0.0, help="peak FLOP/s for MFU (0: time a matmul)")
     p.add_argument("--profile", type=int, default=0, help="after timing, profile this many steps per side")
@@ -102,6 +109,9 @@ def build_meshformer(a):
     }
     if a.mf_foreach != "config":
         o["optimizer.foreach"] = a.mf_foreach == "true"
+    for item in a.mf:
+        key, _, value = item.partition("=")
+        o[key] = value
     overrides = [s for k, v in o.items() for s in (f"--{k}", str(v))]
     cfg = load_config(None, overrides)
     env = init_parallel(cfg, world_size=1)

@@ -117,8 +117,20 @@ def references(tiny_dataset, tmp_path_factory) -> dict:
         )
         assert r.returncode == 0, r.stderr[-3000:]
         refs[name] = _metrics(out)
+        refs[f"{name}_records"] = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
         assert len(refs[name]) == STEPS
     return refs
+
+
+def test_a_parallel_run_reports_the_time_its_logging_steps_spent_in_collectives(references):
+    for name in ("single", "dp2xtp2"):
+        logged = [r for r in references[f"{name}_records"] if "time_comm_s" in r]
+        assert logged and logged[-1]["step"] == STEPS  # the last step is a logging step
+        for r in logged:
+            assert 0 <= r["time_comm_s"] <= r["step_time_s"], r
+    # one process has nothing to communicate; four wait on all-reduces of tp and dp every step
+    assert all(r["time_comm_s"] == 0 for r in references["single_records"] if "time_comm_s" in r)
+    assert all(r["time_comm_s"] > 0 for r in references["dp2xtp2_records"] if "time_comm_s" in r)
 
 
 LAYOUT = {"parallel_config.data_parallel": 2, "parallel_config.model_parallel": 2}

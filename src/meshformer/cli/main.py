@@ -27,6 +27,9 @@ COMMANDS = (
     "config",
     "plan",
     "doctor",
+    "plot",
+    "journal",
+    "compare",
 )
 
 

@@ -11,6 +11,13 @@ def add_parser(sub) -> None:
         "e.g. --parallel_config.data_parallel 2 --model.model_config.num_layers 2.",
     )
     p.add_argument("config", help="YAML config file (MindSpore Transformers field names)")
+    p.add_argument(
+        "--profile",
+        metavar="START:END",
+        default=None,
+        help="record a torch.profiler trace of steps START..END into {output_dir}/profile (sets profile, "
+        "profile_start_step, profile_stop_step)",
+    )
     p.set_defaults(func=run, accepts_overrides=True)
 
 
@@ -21,6 +28,18 @@ def run(args) -> int:
 
     die_with_parent()  # under torchrun: a killed launcher takes its workers with it
     notices: list[str] = []
-    cfg = load_config(args.config, args.overrides, notices=notices)
+    overrides = list(args.overrides)
+    if args.profile is not None:
+        overrides = [*profile_overrides(args.profile), *overrides]
+    cfg = load_config(args.config, overrides, notices=notices)
     run_training(cfg, notices)
     return 0
+
+
+def profile_overrides(window: str) -> list[str]:
+    from meshformer.errors import UserError
+
+    start, sep, end = window.partition(":")
+    if not (sep and start.isdigit() and end.isdigit() and 1 <= int(start) <= int(end)):
+        raise UserError(f"--profile {window!r}: give START:END, two step numbers with 1 <= START <= END (e.g. 5:7)")
+    return ["--profile", "true", "--profile_start_step", start, "--profile_stop_step", end]

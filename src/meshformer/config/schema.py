@@ -405,6 +405,19 @@ class MonitorConfig:
         "Progress display: auto (rich bar on a terminal), rich, or plain log lines.",
         choices=("auto", "rich", "plain"),
     )
+    journal: str = setting(
+        "auto",
+        "Tuning journal each run appends its config change and figures to (auto: journal.jsonl beside output_dir; "
+        "empty: off).",
+    )
+
+
+@dataclass
+class TensorboardConfig:
+    tensorboard_dir: str = setting("", "Write every metric as TensorBoard scalars here (metrics rank; empty: off).")
+    tensorboard_queue_size: int = setting(10, "Events buffered before TensorBoard's writer flushes.", gt=0)
+    log_loss_scale_to_tensorboard: bool = setting(True, "MindSpore switch (accepted: every metric is written).")
+    log_timers_to_tensorboard: bool = setting(True, "MindSpore switch (accepted: every metric is written).")
 
 
 @dataclass
@@ -465,6 +478,11 @@ class MeshformerConfig:
     )
     eval_config: EvalConfig = setting(EvalConfig, "Evaluation cadence.")
     monitor_config: MonitorConfig = setting(MonitorConfig, "Metrics and progress display.")
+    tensorboard: TensorboardConfig = setting(TensorboardConfig, "TensorBoard event files of the metrics.")
+    profile: bool = setting(False, "Record a torch.profiler trace of steps profile_start_step..profile_stop_step.")
+    profile_start_step: int = setting(1, "First profiled step (1-based).", ge=1)
+    profile_stop_step: int = setting(10, "Last profiled step (inclusive).", ge=1)
+    profile_memory: bool = setting(True, "With profile on a GPU: also dump the CUDA allocator's history.")
     comm_timeout: int = setting(600, "Seconds any collective may take before the run fails (HCCL_EXEC_TIMEOUT).", gt=0)
     layer_decay: float = setting(
         1.0, "Layer-wise learning-rate decay: layer i of L gets lr x layer_decay^(L-i) (1.0: off).", gt=0, le=1
@@ -489,8 +507,8 @@ IGNORED_KEYS = {
         """
         auto_trans_ckpt auto_tune autotune_per_step context eval_callbacks eval_dataset_task filepath_prefix
         init_start_profile layer_scale load_ckpt_format lr_scale_factor metric moe_config only_save_strategy
-        pretrained_model_dir processor profile profile_communication profile_memory profile_start_step
-        profile_stop_step remote_save_url src_strategy_path_or_dir train_dataset_task trainer use_legacy
+        pretrained_model_dir processor profile_communication remote_save_url src_strategy_path_or_dir
+        train_dataset_task trainer use_legacy
         """.split()
     ),
     ("parallel",): frozenset({"strategy_ckpt_config", "dataset_strategy"}),

@@ -61,6 +61,12 @@ def validate_config(cfg: MeshformerConfig) -> None:
     if isinstance(sel, dict):
         check_select_recompute(sel)
     check_swap(cfg)
+    check_compile(cfg)
+    if cfg.profile and cfg.profile_stop_step < cfg.profile_start_step:
+        raise UserError(
+            f"profile_stop_step={cfg.profile_stop_step} is before profile_start_step={cfg.profile_start_step}: "
+            "give a window with start <= stop"
+        )
     ls = cfg.lr_schedule
     if ls.total_steps == 0 or ls.total_steps < -1:
         raise UserError(
@@ -78,6 +84,24 @@ def validate_config(cfg: MeshformerConfig) -> None:
 # element-wise work meshformer's selective policy recomputes anyway (parallel/recompute.py), so a dict decides
 # which layers, not which operations; a key naming none of them is probably a typo.
 SELECT_RECOMPUTE_OPS = ("mul", "silu", "activation", "reshape", "add", "norm", "cast", "softmax")
+
+
+def check_compile(cfg: MeshformerConfig) -> None:
+    """compile: the layouts where per-layer torch.compile is not proven are refused, each with its reason."""
+    if not cfg.compile:
+        return
+    pc = cfg.parallel_config
+    if cfg.swap_config.swap:
+        raise UserError(
+            "compile: true with swap_config.swap: the swap's saved-tensor hooks cannot run inside a compiled layer: "
+            "choose one"
+        )
+    if pc.use_seq_parallel and pc.model_parallel > 1:
+        raise UserError(
+            "compile: true with use_seq_parallel: per-layer compile of sequence-parallel DTensor layers fails on "
+            "torch 2.13 ('Tensor' object has no attribute '_local_tensor'): set use_seq_parallel: false or "
+            "compile: false"
+        )
 
 
 def check_swap(cfg: MeshformerConfig) -> None:

@@ -84,6 +84,7 @@ def train_step(
     after_update: Callable[[], None] | None = None,
     documents: torch.Tensor | None = None,
     loss_scale: float = 1.0,
+    clock=None,
 ) -> StepResult:
     """Forward/backward over this rank's `n_micro` micro-batches, clip, optimizer step, zero the gradients.
 
@@ -93,14 +94,20 @@ def train_step(
     A non-finite loss or gradient norm skips the optimizer step on every rank (the weights and optimizer states
     stay as they were): one bad batch or overflow must not poison the run. `loss_scale` (fp16, train/loss_scale.py)
     multiplies the loss before backward; the gradients are divided by it before the norm and the update.
+    `clock` (observe/timing.StepClock) is lapped at the phase boundaries: fwd_bwd, optim (clip, update, zeroing),
+    other (the token-count and loss reductions).
     """
+    lap = clock.lap if clock is not None else lambda phase: None
     n_tok = env.all_reduce_sum_dp((labels != ignore_index).sum().to(torch.float64))
     with capture if capture is not None else contextlib.nullcontext():
         scale = env.grad_average_size / n_tok.item() * loss_scale
+        lap("other")
         loss_sum = parts.forward_backward(inputs, labels, n_micro, scale, documents=documents)
+        lap("fwd_bwd")
     if loss_scale != 1.0:
         parts.scale_grads_(1.0 / loss_scale)
     loss = (env.all_reduce_sum_dp(loss_sum.to(torch.float64)) / n_tok).item()
+    lap("other")
     grad_norm = float(parts.clip_grad_norm_(max_grad_norm))
     finite = math.isfinite(loss) and math.isfinite(grad_norm)
     if env.pp_size > 1:  # the loss exists on the last stage only; the grad norm is already global
@@ -110,6 +117,7 @@ def train_step(
         if after_update is not None:
             after_update()
     optimizer.zero_grad(set_to_none=True)
+    lap("optim")
     return StepResult(loss, grad_norm, float(n_tok), skipped=not finite)
 
 

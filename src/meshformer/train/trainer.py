@@ -24,6 +24,10 @@ from meshformer.data.tokenizer import tokenizer_hash
 from meshformer.dtypes import DTYPE
 from meshformer.errors import RunFailed, UserError
 from meshformer.models import num_params
+from meshformer.observe.journal import record_run, summarize
+from meshformer.observe.profile import StepProfiler
+from meshformer.observe.tensorboard import TensorBoardSink
+from meshformer.observe.timing import StepClock
 from meshformer.parallel import ModelParts, ParallelEnv, init_parallel
 from meshformer.planner.fits import check_fits
 from meshformer.train import metrics as M
@@ -203,6 +207,10 @@ class Trainer:
         if self._replaces_old_run:
             self.run_dir.replace_old()  # only now: this run's model is built and loaded, its data opened
         log = M.MetricsLog(self.out, env.is_metrics_rank, self.start_step if self.resume_from else None)
+        tb = cfg.tensorboard
+        self.tensorboard = TensorBoardSink(tb.tensorboard_dir, env.is_metrics_rank, tb.tensorboard_queue_size)
+        self.profiler = StepProfiler(cfg, env, self.out, self.console.log)
+        self.records: list[dict] = []
         compute_dtype = DTYPE[self.mc.compute_dtype]
         peak, peak_src = M.peak_flops(env.device, compute_dtype, cfg.monitor_config.peak_flops)
         fpt = M.flops_per_token(self.mc, self.n_params, self.n_embedding)
@@ -225,25 +233,33 @@ class Trainer:
             spikes = SpikeDetector(cfg.runner_wrapper.loss_spike_factor)
             step = self.start_step
             while step < self.total_steps:
-                t0 = time.perf_counter()
-                batch_index = step + self.data_offset  # > step once a rollback skipped the batches of a spike
-                inputs, labels, documents = self._inputs_labels(self.train_ds, self.batches, batch_index)
-                lr = self.schedule.apply(step)
-                result = train_step(
-                    self.parts,
-                    self.optimizer,
-                    env,
-                    inputs,
-                    labels,
-                    n_micro=plan.n_micro,
-                    ignore_index=self.mc.ignore_token_id,
-                    max_grad_norm=clip_threshold(cfg),
-                    capture=memory.capture(),
-                    # after the first update gradients and optimizer states all exist
-                    after_update=memory.after_update,
-                    documents=documents,
-                    loss_scale=self.scaler.scale,
-                )
+                logging_step = (step + 1) % print_every == 0 or step + 1 == self.total_steps
+                with self.profiler.step(step + 1, logging_step):
+                    clock = StepClock(env.device)
+                    t0 = clock.start
+                    batch_index = step + self.data_offset  # > step once a rollback skipped the batches of a spike
+                    inputs, labels, documents = self._inputs_labels(self.train_ds, self.batches, batch_index)
+                    clock.lap("data")
+                    lr = self.schedule.apply(step)
+                    result = train_step(
+                        self.parts,
+                        self.optimizer,
+                        env,
+                        inputs,
+                        labels,
+                        n_micro=plan.n_micro,
+                        ignore_index=self.mc.ignore_token_id,
+                        max_grad_norm=clip_threshold(cfg),
+                        capture=memory.capture(),
+                        # after the first update gradients and optimizer states all exist
+                        after_update=memory.after_update,
+                        documents=documents,
+                        loss_scale=self.scaler.scale,
+                        clock=clock,
+                    )
+                    if env.device.type == "cuda":
+                        torch.cuda.synchronize(env.device)
+                    dt = time.perf_counter() - t0
                 scale_used = self.scaler.scale
                 self.scaler.update(not result.skipped)
                 loss, grad_norm = result.loss, result.grad_norm
@@ -252,9 +268,6 @@ class Trainer:
                 # An fp16 overflow under dynamic loss scaling (finite loss, gradients not) is routine, not bad data
                 overflow = self.scaler.dynamic and math.isfinite(loss)
                 skips_in_a_row = skips_in_a_row + 1 if result.skipped and not overflow else 0
-                if env.device.type == "cuda":
-                    torch.cuda.synchronize(env.device)
-                dt = time.perf_counter() - t0
                 done = step + 1
                 spike = spikes.is_spike(done, loss, after_warmup=step >= self.schedule.kw["warmup"])
                 if spikes.enabled and env.pp_size > 1:  # only the last stage sees the loss: all ranks follow it
@@ -271,6 +284,8 @@ class Trainer:
                     "samples_per_s": plan.global_batch / dt,
                     "mfu": fpt * tokens_per_step / dt / (peak * env.world_size),
                     "step_time_s": dt,
+                    **clock.breakdown(dt),
+                    **self._comm_time(),
                     **memory.record(),
                     "skipped_steps": self.skipped_steps,
                     "rollbacks": self.rollbacks,
@@ -291,6 +306,8 @@ class Trainer:
                         f"({skips_in_a_row} in a row, the run stops at {cfg.runner_wrapper.max_consecutive_skips})"
                     )
                 log.write(rec)
+                self.tensorboard.write(rec)
+                self.records.append(rec)
                 memory.write_report(self.out, rec)  # every rank's breakdown, after each measured step
                 if skips_in_a_row >= cfg.runner_wrapper.max_consecutive_skips:
                     self.console.stop()
@@ -322,6 +339,7 @@ class Trainer:
                     break
                 step = done
             self.console.stop()
+            self._close_observers()
             if first is not None:
                 self.console.log(
                     f"loss {first['loss']:.4f} (step {first['step']}) -> {last['loss']:.4f} "
@@ -330,7 +348,19 @@ class Trainer:
             if self._saved_at != end and (end > self.start_step or not store.list_checkpoints(self.out)):
                 self.save(end, best=end > self.start_step and new_best)
             self.saver.wait()
+        if env.is_metrics_rank and self.records:
+            where = record_run(cfg, summarize(cfg, env.dims, self.records, plan.global_batch))
+            if where is not None:
+                self.console.log(f"journal: {where} (meshformer journal {where.parent})")
         return last
+
+    def _comm_time(self) -> dict:
+        seconds = self.profiler.comm_seconds()
+        return {} if seconds is None else {"time_comm_s": seconds}
+
+    def _close_observers(self) -> None:
+        self.profiler.close()
+        self.tensorboard.close()
 
     def _roll_back(self, spike_step: int, loss: float, spikes: SpikeDetector, log) -> int:
         """Reload the newest good checkpoint of this run and skip the batches since it; returns its step."""
@@ -363,6 +393,7 @@ class Trainer:
         self.skipped_steps = int(state.get("skipped_steps", 0))
         spikes.forget_after(back)
         log.truncate(back)
+        self.records = [r for r in self.records if r["step"] <= back]
         self.console.log(
             f"step {spike_step}: loss {loss:.4g} is {ratio:.1f}x the mean {mean:.4g} of the last "
             f"{len(spikes.history)} steps: rolled back to {ckpt.name} and skipped its {skipped} batch(es) after "

@@ -1,0 +1,93 @@
+"""torch.profiler around training steps: MindSpore's `profile` window, and the communication probe of logging steps.
+
+`profile: true` records steps `profile_start_step`..`profile_stop_step` (1-based, inclusive; `--profile A:B` on the
+command line) and, when the window closes, every rank writes to `{output_dir}/profile/`:
+  trace_rank<r>.json      Chrome trace format: open in https://ui.perfetto.dev or chrome://tracing
+  top_ops_rank<r>.txt     the operators that took the most time (torch's key_averages table), also printed by the
+                          metrics rank
+  memory_rank<r>.pickle   on a GPU with `profile_memory`: the CUDA allocator's history (pytorch.org/memory_viz)
+Outside the window, a logging step (MFLossMonitor's per_print_times) runs under a light CPU(+CUDA) profiler so
+metrics.jsonl can say how much of it was spent in collectives (`time_comm_s`, observe/timing.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile, record_function
+
+from meshformer.observe.timing import comm_seconds
+
+STEP_EVENT = "meshformer_step"
+
+
+class StepProfiler:
+    def __init__(self, cfg, env, out_dir: Path, log):
+        self.env, self.log = env, log
+        self.enabled = bool(cfg.profile)
+        self.first, self.last = cfg.profile_start_step, cfg.profile_stop_step
+        self.memory = cfg.profile_memory and env.device.type == "cuda"
+        self.dir = Path(out_dir) / "profile"
+        self._window = None
+        self._probe = None
+        self.activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if env.device.type == "cuda" else [])
+
+    def in_window(self, step: int) -> bool:
+        return self.enabled and self.first <= step <= self.last
+
+    @contextlib.contextmanager
+    def step(self, step: int, logging: bool):
+        """Wrap one step (1-based `step`): inside the profile window it is recorded; on a logging step outside it,
+        probed for communication time."""
+        if self.in_window(step) and self._window is None:
+            self._open_window()
+        if self._window is None and logging:
+            self._probe = profile(activities=self.activities)
+            self._probe.__enter__()
+        try:
+            with record_function(STEP_EVENT):
+                yield
+        finally:
+            if self._probe is not None:
+                self._probe.__exit__(None, None, None)
+            if self._window is not None:
+                self._window.step()
+                if step >= self.last:
+                    self._close_window()
+
+    def comm_seconds(self) -> float | None:
+        """Collective time of the step just probed (None when it was not probed)."""
+        if self._probe is None:
+            return None
+        try:
+            return comm_seconds(self._probe, STEP_EVENT)
+        finally:
+            self._probe = None
+
+    def _open_window(self) -> None:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        if self.memory:
+            torch.cuda.memory._record_memory_history(max_entries=200_000)
+        self._window = profile(activities=self.activities, record_shapes=True, profile_memory=True, with_stack=False)
+        self._window.__enter__()
+
+    def _close_window(self) -> None:
+        prof, self._window = self._window, None
+        prof.__exit__(None, None, None)
+        r = self.env.rank
+        prof.export_chrome_trace(str(self.dir / f"trace_rank{r}.json"))
+        sort = "self_cuda_time_total" if self.env.device.type == "cuda" else "self_cpu_time_total"
+        table = prof.key_averages().table(sort_by=sort, row_limit=25)
+        (self.dir / f"top_ops_rank{r}.txt").write_text(table + "\n")
+        if self.memory:
+            torch.cuda.memory._dump_snapshot(str(self.dir / f"memory_rank{r}.pickle"))
+            torch.cuda.memory._record_memory_history(enabled=None)
+        if self.env.is_metrics_rank:
+            self.log(f"profile of steps {self.first}-{self.last} in {self.dir} (trace_rank*.json: Perfetto)\n{table}")
+
+    def close(self) -> None:
+        """The run ended inside the window: write what was recorded."""
+        if self._window is not None:
+            self._close_window()
