@@ -165,7 +165,10 @@ def build_hf(a, cfg, mf_model):
     hc._attn_implementation = "sdpa"
     hf = LlamaForCausalLM(hc).to(torch.float32)
     # Our parameter names are HF's without the "model." prefix (lm_head keeps its name).
-    sd = {(k if k.startswith("lm_head.") else "model." + k): v for k, v in mf_model.state_dict().items()}
+    from meshformer.models.init import canonical_name
+
+    named = {canonical_name(k): v for k, v in mf_model.state_dict().items()}  # compile adds `_orig_mod.`
+    sd = {(k if k.startswith("lm_head.") else "model." + k): v for k, v in named.items()}
     missing, unexpected = hf.load_state_dict(sd, strict=False)
     missing = [k for k in missing if "rotary_emb" not in k]
     if missing or unexpected:

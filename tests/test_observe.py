@@ -104,7 +104,7 @@ def test_tensorboard_plot_journal_and_compare(tiny_dataset, tmp_path, capsys):
 def test_profile_window_writes_a_trace_and_a_top_ops_table(tiny_dataset, tmp_path, capsys):
     out = tmp_path / "run"
     args = tiny_overrides(tiny_dataset, out, {"runner_config.stop_step": 4})
-    assert main(["train", EMPTY, "--profile", "2:3", *args]) == 0
+    assert main(["train", EMPTY, *args, "--profile", "2:3"]) == 0  # the command's own option after the overrides
     trace = json.loads((out / "profile" / "trace_rank0.json").read_text())
     names = {e.get("name") for e in trace["traceEvents"]}
     assert "meshformer_step" in names and any(str(n).startswith("aten::mm") for n in names)

@@ -62,6 +62,9 @@ WORLD2 = [
     "dp2_rc_accum:packed",
     "tp2_sp_accum:packed",
     "fsdp2:packed",
+    "dp2_rc_accum:compiled",
+    "fsdp2:compiled",
+    "pp2_1f1b:compiled",
 ]
 WORLD4 = [
     "dp4",
@@ -87,6 +90,7 @@ WORLD4 = [
     "fsdp2xtp2_sp_rc:fp16",
     "dp2xtp2:lora",
     "dp2xtp2:packed",
+    "dp2xpp2:compiled",
 ]
 WORLD8 = ["dp2xtp2xpp2", "dp2xtp2xpp2_rc_accum", "dp2xtp2xpp2_sel", "fsdp2xtp2xpp2_sp_rc"]
 TWO_NODES = ["dp2xtp2", "fsdp2xpp2", "hsdp2x2_rc"]
@@ -286,7 +290,20 @@ def test_torchrun_with_bad_layout_exits_2_on_every_rank(tmp_path):
     cfg = tmp_path / "c.yaml"
     cfg.write_text("parallel_config:\n  data_parallel: 4\n")
     p = subprocess.run(
-        [*TORCHRUN, "--standalone", "--nproc-per-node", "2", "-m", "meshformer", "train", str(cfg)],
+        # the agent checks its workers every 3 s: the first rank's exit must not kill the second before it
+        # reaches the same check (a busy machine once made that race)
+        [
+            *TORCHRUN,
+            "--standalone",
+            "--monitor-interval",
+            "3",
+            "--nproc-per-node",
+            "2",
+            "-m",
+            "meshformer",
+            "train",
+            str(cfg),
+        ],
         capture_output=True,
         text=True,
         env=_env(),
@@ -546,7 +563,14 @@ def test_planner_predicts_every_layout(results2, results4, results8):
             dims = ParallelDims.from_config(cfg, world)
             n_micro = harness.CASES[case][1]
             stages = plan_memory(cfg, dims, harness.GLOBAL_BATCH // dims.dp // n_micro, n_micro)
-            bad += [f"{case}:{variant} rank {memory[1]}: {b}" for b in compare(measured, stages[measured["stage"]])]
+            found = compare(measured, stages[measured["stage"]])
+            if variant == "compiled":  # Inductor's partitioner recomputes some element-wise work: the eager
+                # figure is an upper bound there (docs/memory.md; a fully recomputed layer keeps its input alike)
+                predicted = stages[measured["stage"]].activations_bytes
+                found = [b for b in found if not b.startswith("activations_bytes")]
+                if not 0.5 * predicted <= measured["mem_activations_bytes"] <= 1.1 * predicted:
+                    found.append(f"activations {measured['mem_activations_bytes']:,} not in [0.5, 1.1] x {predicted:,}")
+            bad += [f"{case}:{variant} rank {memory[1]}: {b}" for b in found]
             checked += 1
     assert checked >= 160
     assert not bad, "\n".join(bad)

@@ -1,4 +1,5 @@
-"""Activation swap (swap_config): config checks and the planner everywhere; the offload itself on a GPU."""
+"""Activation swap (swap_config): config checks and the planner everywhere; the offload itself on a GPU. Also the
+layouts `compile: true` refuses."""
 
 from __future__ import annotations
 
@@ -30,22 +31,26 @@ def _cfg(**over):
 
 
 @pytest.mark.parametrize(
-    "key, value, needle",
+    "extra, needle",
     [
         (
-            "swap_config.op_swap",
-            "[{op_name: flash_attention, backward_prefetch: 1, layers: true}]",
+            ["--swap_config.op_swap", "[{op_name: flash_attention, backward_prefetch: 1, layers: true}]"],
             "use swap_config.layer_swap",
         ),
-        ("swap_config.layer_swap", "[{layers: [0, 9]}]", "layer_swap[0].layers=[0, 9]: give true or a list of layer"),
-        ("swap_config.layer_swap", "[{layers: true, prefetch: 2}]", "layer_swap[0]="),
-        ("swap_config.layer_swap", "[{layers: true, backward_prefetch: 0}]", "backward_prefetch=0"),
+        (
+            ["--swap_config.layer_swap", "[{layers: [0, 9]}]"],
+            "layer_swap[0].layers=[0, 9]: give true or a list of layer",
+        ),
+        (["--swap_config.layer_swap", "[{layers: true, prefetch: 2}]"], "layer_swap[0]="),
+        (["--swap_config.layer_swap", "[{layers: true, backward_prefetch: 0}]"], "backward_prefetch=0"),
+        (["--swap_config.swap", "true", "--compile", "true"], "compile: true with swap_config.swap"),
+        (["--parallel_config.model_parallel", "2", "--compile", "true"], "compile: true with model_parallel > 1"),
     ],
 )
-def test_bad_swap_config_is_one_line(capsys, key, value, needle):
+def test_bad_swap_or_compile_config_is_one_line(capsys, extra, needle):
     capsys.readouterr()
     args = ["config", "check", str(ROOT / "tests" / "empty.yaml"), "--model.model_config.num_layers", "4"]
-    assert main([*args, f"--{key}", value]) == 2
+    assert main([*args, *extra]) == 2
     err = capsys.readouterr().err.strip()
     assert needle in err and "\n" not in err, err
 

@@ -116,6 +116,7 @@ VARIANTS = {
         "model.model_config.pet_config.target_modules": ".*q_proj|.*v_proj|.*o_proj|.*gate_proj|.*down_proj",
     },
     "packed": {},  # fp32, every row packs several documents (batches(packed=True)): document masking
+    "compiled": {"compile": True},  # fp32, every decoder layer through torch.compile (Inductor's C++ on a CPU)
 }
 
 
@@ -152,6 +153,7 @@ VARIANT_CASES = {  # extra (case, variant) pairs beyond every case in fp32
     "wrapped": ["tp2_sp_accum", "dp2xtp2"],
     "lora": ["dp2", "tp2_sp_accum", "pp2_1f1b", "fsdp2", "dp2xtp2"],
     "packed": ["dp2_rc_accum", "tp2_sp_accum", "fsdp2", "dp2xtp2"],  # pipelines refuse packing
+    "compiled": ["dp2_rc_accum", "fsdp2", "pp2_1f1b", "dp2xpp2"],  # tensor parallelism refuses compile
 }
 
 

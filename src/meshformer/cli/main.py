@@ -47,13 +47,31 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def command_options(parser: argparse.ArgumentParser, argv: list[str]) -> set[str]:
-    """Option strings (--seed, ...) of the sub-command named first in argv."""
+def command_options(parser: argparse.ArgumentParser, argv: list[str]) -> dict[str, argparse.Action]:
+    """Option strings (--seed, ...) of the sub-command named first in argv, with their actions."""
     for action in parser._subparsers._group_actions if parser._subparsers else ():
         sub = getattr(action, "choices", {}).get(argv[0]) if argv else None
         if sub is not None:
-            return set(sub._option_string_actions)
-    return set()
+            return dict(sub._option_string_actions)
+    return {}
+
+
+def split_overrides(own: dict[str, argparse.Action], argv: list[str]) -> tuple[list[str], list[str]]:
+    """(the command's own arguments, config overrides). Overrides (--section.field VALUE) run from the first one
+    to the end of the line, except the sub-command's own options (train --profile 5:7, generate --seed 1), which
+    may come anywhere and keep their value."""
+    mine, overrides, i = [], [], 0
+    while i < len(argv):
+        arg = argv[i]
+        action = own.get(arg.split("=", 1)[0])
+        if action is not None:
+            takes_value = "=" not in arg and action.nargs != 0 and i + 1 < len(argv)
+            mine += argv[i : i + 2] if takes_value else [arg]
+            i += 2 if takes_value else 1
+            continue
+        (overrides if overrides or is_override(arg) else mine).append(arg)
+        i += 1
+    return mine, overrides
 
 
 def is_override(arg: str) -> bool:
@@ -74,11 +92,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         # Dotted overrides (--section.field VALUE) run to the end of the line; argparse sees the rest.
         own = command_options(parser, argv)  # a sub-command's own flags (generate --seed) are never overrides
-        cut = next((i for i, a in enumerate(argv) if is_override(a) and a.split("=", 1)[0] not in own), len(argv))
-        args = parser.parse_args(argv[:cut])
-        if cut < len(argv) and not getattr(args, "accepts_overrides", False):
-            parser.error(f"unrecognized arguments: {' '.join(argv[cut:])}")
-        args.overrides = argv[cut:]
+        mine, overrides = split_overrides(own, argv)
+        args = parser.parse_args(mine)
+        if overrides and not getattr(args, "accepts_overrides", False):
+            parser.error(f"unrecognized arguments: {' '.join(overrides)}")
+        args.overrides = overrides
         rc = args.func(args)
         return int(rc or 0)
     except (UserError, RunFailed) as e:

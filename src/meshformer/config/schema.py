@@ -467,7 +467,12 @@ class MeshformerConfig:
     )
     recompute_config: RecomputeConfig = setting(RecomputeConfig, "Activation recomputation.")
     swap_config: SwapConfig = setting(SwapConfig, "Activation swap to host memory (GPU runs).")
-    compile: bool = setting(False, "Compile each decoder layer with torch.compile (Inductor); experimental.")
+    compile: bool | str = setting(
+        "auto",
+        "torch.compile each decoder layer (Inductor); auto: on GPUs without tensor parallelism or swap, off on CPUs "
+        "(compiling costs ~1 min there).",
+        choices=(True, False, "auto"),
+    )
     optimizer: OptimizerConfig = setting(OptimizerConfig, "Optimizer and its hyper-parameters.")
     lr_schedule: LrScheduleConfig = setting(LrScheduleConfig, "Learning-rate schedule.")
     runner_config: RunnerConfig = setting(RunnerConfig, "Run length and accumulation.")

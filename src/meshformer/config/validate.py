@@ -88,7 +88,7 @@ SELECT_RECOMPUTE_OPS = ("mul", "silu", "activation", "reshape", "add", "norm", "
 
 def check_compile(cfg: MeshformerConfig) -> None:
     """compile: the layouts where per-layer torch.compile is not proven are refused, each with its reason."""
-    if not cfg.compile:
+    if cfg.compile is not True:  # auto decides per device and layout (parallelize.wants_compile)
         return
     pc = cfg.parallel_config
     if cfg.swap_config.swap:
@@ -96,11 +96,10 @@ def check_compile(cfg: MeshformerConfig) -> None:
             "compile: true with swap_config.swap: the swap's saved-tensor hooks cannot run inside a compiled layer: "
             "choose one"
         )
-    if pc.use_seq_parallel and pc.model_parallel > 1:
+    if pc.model_parallel > 1:
         raise UserError(
-            "compile: true with use_seq_parallel: per-layer compile of sequence-parallel DTensor layers fails on "
-            "torch 2.13 ('Tensor' object has no attribute '_local_tensor'): set use_seq_parallel: false or "
-            "compile: false"
+            "compile: true with model_parallel > 1: per-layer compile of tensor-parallel (DTensor) layers fails in "
+            "backward on torch 2.13 ('Tensor' object has no attribute '_local_tensor'): set compile: false"
         )
 
 

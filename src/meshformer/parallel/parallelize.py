@@ -22,6 +22,16 @@ from meshformer.parallel.swap import apply_swap
 from meshformer.parallel.tp import apply_tp
 
 
+def wants_compile(cfg: MeshformerConfig, env: ParallelEnv) -> bool:
+    """compile: true, false, or auto: on a GPU where it is proven (not with tensor parallelism, whose DTensor layers
+    fail in backward when compiled on torch 2.13, nor with activation swap, whose hooks cannot run in a compiled
+    layer); on a CPU compiling takes about a minute per process, more than most CPU runs gain (+11% on
+    bench_vs_hf)."""
+    if cfg.compile != "auto":
+        return bool(cfg.compile)
+    return env.device.type == "cuda" and env.tp_size == 1 and not cfg.swap_config.swap
+
+
 def apply_compile(model: nn.Module) -> None:
     """torch.compile each decoder layer (after recompute wraps it, before FSDP wraps it, as torchtitan does): the
     layers share one compiled graph, and FSDP's hooks stay outside it."""
@@ -41,7 +51,7 @@ def parallelize(model: nn.Module, cfg: MeshformerConfig, env: ParallelEnv, loss_
         apply_recompute(part, rc.recompute, stage_index=env.pp_rank, select=rc.select_recompute)
         if env.device.type == "cuda":
             apply_swap(part, cfg.swap_config)
-        if cfg.compile:
+        if wants_compile(cfg, env):
             apply_compile(part)
         apply_data_parallel(part, cfg, env)
     if env.pp_size > 1:
