@@ -7,7 +7,8 @@ command line) and, when the window closes, every rank writes to `{output_dir}/pr
                           metrics rank
   memory_rank<r>.pickle   on a GPU with `profile_memory`: the CUDA allocator's history (pytorch.org/memory_viz)
 Outside the window, a logging step (MFLossMonitor's per_print_times) runs under a light CPU(+CUDA) profiler so
-metrics.jsonl can say how much of it was spent in collectives (`time_comm_s`, observe/timing.py).
+metrics.jsonl can say how much of it was spent in collectives (`time_comm_s`, observe/timing.py): at most every
+`PROBE_EVERY` steps (logging every step is common, and the probe costs that step a little), and the last step.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 from meshformer.observe.timing import comm_seconds
 
 STEP_EVENT = "meshformer_step"
+PROBE_EVERY = 10
 
 
 class StepProfiler:
@@ -32,7 +34,15 @@ class StepProfiler:
         self.dir = Path(out_dir) / "profile"
         self._window = None
         self._probe = None
+        self._last_probe = -PROBE_EVERY
         self.activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if env.device.type == "cuda" else [])
+
+    def probe_due(self, step: int, last_step: int) -> bool:
+        """A logging step gets the communication probe if none ran in the last PROBE_EVERY steps (or it is last)."""
+        if step - self._last_probe >= PROBE_EVERY or step == last_step:
+            self._last_probe = step
+            return True
+        return False
 
     def in_window(self, step: int) -> bool:
         return self.enabled and self.first <= step <= self.last

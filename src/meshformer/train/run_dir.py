@@ -167,7 +167,7 @@ class RunDir:
         def move():
             aside = self.out / f"{REPLACED}{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
             aside.mkdir()
-            for name in ("checkpoint", "metrics.jsonl", "memory.json"):
+            for name in ("checkpoint", "metrics.jsonl", "memory.json", "run_summary.json", "profile"):
                 if (self.out / name).exists():
                     (self.out / name).rename(aside / name)
             return str(aside)

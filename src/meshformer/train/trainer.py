@@ -234,7 +234,7 @@ class Trainer:
             step = self.start_step
             while step < self.total_steps:
                 logging_step = (step + 1) % print_every == 0 or step + 1 == self.total_steps
-                with self.profiler.step(step + 1, logging_step):
+                with self.profiler.step(step + 1, logging_step and self.profiler.probe_due(step + 1, self.total_steps)):
                     clock = StepClock(env.device)
                     t0 = clock.start
                     batch_index = step + self.data_offset  # > step once a rollback skipped the batches of a spike
