@@ -51,11 +51,12 @@ PRESETS = {  # Llama 3.2 1B and Llama 3.1 8B shapes; tiny for CPU smoke runs
         theta=500000.0,
     ),
 }
+EAGER = ["--compile", "false"]  # explicit: `compile: auto` would compile these on a GPU
 MODES = {
-    "none": [],
-    "selective": ["--recompute_config.select_recompute", "true"],
-    "full": ["--recompute_config.recompute", "true"],
-    "swap": ["--swap_config.swap", "true"],
+    "none": EAGER,
+    "selective": [*EAGER, "--recompute_config.select_recompute", "true"],
+    "full": [*EAGER, "--recompute_config.recompute", "true"],
+    "swap": [*EAGER, "--swap_config.swap", "true"],
     "compiled": ["--compile", "true"],
     "compiled_selective": ["--compile", "true", "--recompute_config.select_recompute", "true"],
 }
