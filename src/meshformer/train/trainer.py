@@ -24,9 +24,7 @@ from meshformer.data.tokenizer import tokenizer_hash
 from meshformer.dtypes import DTYPE
 from meshformer.errors import RunFailed, UserError
 from meshformer.models import num_params
-from meshformer.observe.journal import record_run, summarize
-from meshformer.observe.profile import StepProfiler
-from meshformer.observe.tensorboard import TensorBoardSink
+from meshformer.observe.run import RunObservers
 from meshformer.observe.timing import StepClock
 from meshformer.parallel import ModelParts, ParallelEnv, init_parallel
 from meshformer.planner.fits import check_fits
@@ -207,10 +205,7 @@ class Trainer:
         if self._replaces_old_run:
             self.run_dir.replace_old()  # only now: this run's model is built and loaded, its data opened
         log = M.MetricsLog(self.out, env.is_metrics_rank, self.start_step if self.resume_from else None)
-        tb = cfg.tensorboard
-        self.tensorboard = TensorBoardSink(tb.tensorboard_dir, env.is_metrics_rank, tb.tensorboard_queue_size)
-        self.profiler = StepProfiler(cfg, env, self.out, self.console.log)
-        self.records: list[dict] = []
+        self.observers = RunObservers(cfg, env, self.out, self.console.log)
         compute_dtype = DTYPE[self.mc.compute_dtype]
         peak, peak_src = M.peak_flops(env.device, compute_dtype, cfg.monitor_config.peak_flops)
         fpt = M.flops_per_token(self.mc, self.n_params, self.n_embedding)
@@ -234,7 +229,7 @@ class Trainer:
             step = self.start_step
             while step < self.total_steps:
                 logging_step = (step + 1) % print_every == 0 or step + 1 == self.total_steps
-                with self.profiler.step(step + 1, logging_step and self.profiler.probe_due(step + 1, self.total_steps)):
+                with self.observers.step(step + 1, logging_step, self.total_steps):
                     clock = StepClock(env.device)
                     t0 = clock.start
                     batch_index = step + self.data_offset  # > step once a rollback skipped the batches of a spike
@@ -285,7 +280,7 @@ class Trainer:
                     "mfu": fpt * tokens_per_step / dt / (peak * env.world_size),
                     "step_time_s": dt,
                     **clock.breakdown(dt),
-                    **self._comm_time(),
+                    **self.observers.comm_time(),
                     **memory.record(),
                     "skipped_steps": self.skipped_steps,
                     "rollbacks": self.rollbacks,
@@ -306,8 +301,7 @@ class Trainer:
                         f"({skips_in_a_row} in a row, the run stops at {cfg.runner_wrapper.max_consecutive_skips})"
                     )
                 log.write(rec)
-                self.tensorboard.write(rec)
-                self.records.append(rec)
+                self.observers.write(rec)
                 memory.write_report(self.out, rec)  # every rank's breakdown, after each measured step
                 if skips_in_a_row >= cfg.runner_wrapper.max_consecutive_skips:
                     self.console.stop()
@@ -339,7 +333,7 @@ class Trainer:
                     break
                 step = done
             self.console.stop()
-            self._close_observers()
+            self.observers.close()
             if first is not None:
                 self.console.log(
                     f"loss {first['loss']:.4f} (step {first['step']}) -> {last['loss']:.4f} "
@@ -348,19 +342,11 @@ class Trainer:
             if self._saved_at != end and (end > self.start_step or not store.list_checkpoints(self.out)):
                 self.save(end, best=end > self.start_step and new_best)
             self.saver.wait()
-        if env.is_metrics_rank and self.records:
-            where = record_run(cfg, summarize(cfg, env.dims, self.records, plan.global_batch))
+        if env.is_metrics_rank:
+            where = self.observers.finish(cfg, env.dims, plan.global_batch)
             if where is not None:
                 self.console.log(f"journal: {where} (meshformer journal {where.parent})")
         return last
-
-    def _comm_time(self) -> dict:
-        seconds = self.profiler.comm_seconds()
-        return {} if seconds is None else {"time_comm_s": seconds}
-
-    def _close_observers(self) -> None:
-        self.profiler.close()
-        self.tensorboard.close()
 
     def _roll_back(self, spike_step: int, loss: float, spikes: SpikeDetector, log) -> int:
         """Reload the newest good checkpoint of this run and skip the batches since it; returns its step."""
@@ -393,7 +379,7 @@ class Trainer:
         self.skipped_steps = int(state.get("skipped_steps", 0))
         spikes.forget_after(back)
         log.truncate(back)
-        self.records = [r for r in self.records if r["step"] <= back]
+        self.observers.roll_back(back)
         self.console.log(
             f"step {spike_step}: loss {loss:.4g} is {ratio:.1f}x the mean {mean:.4g} of the last "
             f"{len(spikes.history)} steps: rolled back to {ckpt.name} and skipped its {skipped} batch(es) after "
