@@ -74,6 +74,13 @@ def parse_args(argv=None):
         metavar="KEY=VALUE",
         help="extra meshformer config override, repeatable (e.g. compile=true, optimizer.fused=true)",
     )
+    p.add_argument(
+        "--run-steps",
+        type=int,
+        default=1000,
+        help="length of the training run these steps stand for: compile: auto judges from it whether compiling pays "
+        "(the trainer passes its own run length)",
+    )
     p.add_argument("--show-steps", type=int, default=5, help="print per-step losses of this many first steps")
     p.add_argument("--peak-flops", type=float, default=0.0, help="peak FLOP/s for MFU (0: time a matmul)")
     p.add_argument("--profile", type=int, default=0, help="after timing, profile this many steps per side")
@@ -115,7 +122,9 @@ def build_meshformer(a):
     overrides = [s for k, v in o.items() for s in (f"--{k}", str(v))]
     cfg = load_config(None, overrides)
     env = init_parallel(cfg, world_size=1)
-    built = build_parts(cfg, env)  # the trainer's build: model, transforms, parallelize, materialize
+    # The trainer's build (model, transforms, parallelize, materialize), told the run's length as the trainer tells it.
+    built = build_parts(cfg, env, run_tokens=a.run_steps * a.batch * a.seq)
+    print(built.compile_note + f" [a run of {a.run_steps} steps: --run-steps]")
     n_params = sum(p.numel() for p in built.model.parameters())
     n_embedding = built.model.embed_tokens.weight.numel()
     parts = built.parts
@@ -221,7 +230,7 @@ def measure_peak(dtype) -> tuple[float, str]:
     for _ in range(3):  # best of three: the machine is shared, a slow sample is someone else's load
         f, src = peak_flops(torch.device("cpu"), dtype, 0.0)
         best = max(best, f)
-    return best, src + " (best of 3, 1024^3 matmul)"
+    return best, src + " (best of 3 calls, each the best of several square matmuls)"
 
 
 def profile_steps(name, fn, n):
@@ -264,8 +273,9 @@ def main(argv=None) -> int:
         hf_impl = f"None -> {_default_to_fused_or_foreach(list(hf.parameters()), False, False)[1]}"
     print(
         f"AdamW lr {a.lr}, betas ({cfg.optimizer.beta1}, {cfg.optimizer.beta2}), eps {cfg.optimizer.eps}, "
-        f"weight decay {cfg.optimizer.weight_decay} (not on 1-D), clip {a.max_grad_norm}; meshformer foreach="
-        f"{cfg.optimizer.foreach}, HF foreach={hf_impl}"
+        f"weight decay {cfg.optimizer.weight_decay} (not on 1-D), clip {a.max_grad_norm}; meshformer "
+        f"{'fused' if mf_opt.items[0].defaults.get('fused') else 'foreach=' + str(cfg.optimizer.foreach)}, "
+        f"HF foreach={hf_impl}"
     )
     diff32 = check_logits(parts, hf, a, None)
     line = f"initial logits max |meshformer - HF|: fp32 {diff32:.2e}"

@@ -124,3 +124,28 @@ def test_swap_gives_the_same_steps_with_less_device_memory():
     assert all(torch.equal(a, b) for a, b in zip(w0, w1))
     assert swap is not None and swap.offloaded_bytes > 0
     assert p1 < 0.75 * p0, (p1, p0)
+
+
+def test_compile_auto_decides_by_device_layout_and_run_length(monkeypatch):
+    """compile: auto compiles where it is proven and pays: always on a GPU without TP or swap, on a CPU only for a
+    run whose work per process repays the compile (and never without a C++ compiler); true and false are obeyed."""
+    from types import SimpleNamespace
+
+    from meshformer.parallel.parallelize import CPU_COMPILE_MIN_FLOPS, compile_decision
+
+    def env(device="cpu", tp=1, world=1):
+        return SimpleNamespace(device=torch.device(device), tp_size=tp, world_size=world)
+
+    auto, big = _cfg(), 2 * CPU_COMPILE_MIN_FLOPS
+    assert compile_decision(auto, env("cuda"), None)[0]
+    assert not compile_decision(auto, env("cuda", tp=2), big)[0]
+    assert not compile_decision(_cfg(**{"swap_config.swap": True}), env("cuda"), big)[0]
+    assert compile_decision(auto, env(), big) == (True, "compile: auto -> on (200 TFLOP per process)")
+    on, why = compile_decision(auto, env(world=4), big)  # the work is per process: 50 TFLOP each
+    assert not on and "50 TFLOP per process is under the 100 TFLOP" in why
+    assert not compile_decision(auto, env(), None)[0]  # a run of unknown length (not the trainer's)
+    assert compile_decision(_cfg(compile=True), env(), 0)[0]
+    assert not compile_decision(_cfg(compile=False), env("cuda"), big)[0]
+    monkeypatch.setattr("shutil.which", lambda name: None)
+    on, why = compile_decision(auto, env(), big)
+    assert not on and "no C++ compiler" in why

@@ -269,7 +269,7 @@ class OptimizerConfig:
     )
     foreach: bool = setting(True, "Use torch's multi-tensor AdamW kernels.")
     fused: bool | None = setting(
-        None, "Use torch's fused AdamW kernel (one launch, no temporaries); default: on GPUs, off on CPUs."
+        None, "Use torch's fused AdamW kernel (one pass, no temporaries); default: wherever torch has it (GPUs, CPUs)."
     )
 
 
@@ -469,8 +469,8 @@ class MeshformerConfig:
     swap_config: SwapConfig = setting(SwapConfig, "Activation swap to host memory (GPU runs).")
     compile: bool | str = setting(
         "auto",
-        "torch.compile each decoder layer (Inductor); auto: on GPUs without tensor parallelism or swap, off on CPUs "
-        "(compiling costs ~1 min there).",
+        "torch.compile each decoder layer and the loss (Inductor); auto: on GPUs without tensor parallelism or swap, "
+        "and on CPUs for runs of at least 100 TFLOP per process (compiling costs 25-60 s there).",
         choices=(True, False, "auto"),
     )
     optimizer: OptimizerConfig = setting(OptimizerConfig, "Optimizer and its hyper-parameters.")

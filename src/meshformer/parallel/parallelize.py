@@ -2,12 +2,15 @@
 
 Order (see docs/design.md): pipeline split (which pieces this rank holds) -> tensor parallel (the model family's
 plan, DTensor) -> activation recompute (wraps layers, so it also recomputes their TP collectives) -> activation
-swap on the layers not recomputed (hooks, GPU runs only: a CPU run's host memory is its device memory) -> data
-parallel or FSDP (wraps layers, then the piece, so FSDP's units contain the recompute wrappers). Model transforms
-(LoRA, freezing, ...) ran before this, in models/transforms.py. Nothing is allocated until `materialize`.
+swap on the layers not recomputed (hooks, GPU runs only: a CPU run's host memory is its device memory) -> compile
+(each layer, and the loss, where `compile` says so) -> data parallel or FSDP (wraps layers, then the piece, so
+FSDP's units contain the recompute wrappers). Model transforms (LoRA, freezing, ...) ran before this, in
+models/transforms.py. Nothing is allocated until `materialize`.
 """
 
 from __future__ import annotations
+
+import os
 
 from torch import nn
 
@@ -21,15 +24,45 @@ from meshformer.parallel.recompute import apply_recompute
 from meshformer.parallel.swap import apply_swap
 from meshformer.parallel.tp import apply_tp
 
+# A CPU run compiles by default only when its work repays the compile: Inductor takes 25 s (warm cache: 1 s) to
+# 60 s per process on the 2-core CPUs measured and then saves 10-30% of each step (docs/benchmarks.md), so a run of
+# at least 100 TFLOP per process (about ten minutes of eager fp32 work there) gains more than it pays.
+CPU_COMPILE_MIN_FLOPS = 1e14
 
-def wants_compile(cfg: MeshformerConfig, env: ParallelEnv) -> bool:
-    """compile: true, false, or auto: on a GPU where it is proven (not with tensor parallelism, whose DTensor layers
-    fail in backward when compiled on torch 2.13, nor with activation swap, whose hooks cannot run in a compiled
-    layer); on a CPU compiling takes about a minute per process, more than most CPU runs gain (+11% on
-    bench_vs_hf)."""
+
+def compile_decision(cfg: MeshformerConfig, env: ParallelEnv, run_flops: float | None = None) -> tuple[bool, str]:
+    """(compile?, why) for `compile`: true and false are obeyed; auto compiles where it is proven and pays: not with
+    tensor parallelism (DTensor layers fail in backward when compiled on torch 2.13) nor with activation swap (its
+    hooks cannot run in a compiled layer); on a GPU always, on a CPU when a C++ compiler is found and the run's work
+    per process (`run_flops`, the trainer's steps x tokens x FLOPs per token / processes) reaches
+    CPU_COMPILE_MIN_FLOPS."""
     if cfg.compile != "auto":
-        return bool(cfg.compile)
-    return env.device.type == "cuda" and env.tp_size == 1 and not cfg.swap_config.swap
+        return bool(cfg.compile), f"compile: {str(bool(cfg.compile)).lower()}"
+    if env.tp_size > 1:
+        return False, "compile: auto -> off (tensor parallel layers are not proven compiled)"
+    if cfg.swap_config.swap:
+        return False, "compile: auto -> off (activation swap's hooks cannot run in a compiled layer)"
+    if env.device.type == "cuda":
+        return True, "compile: auto -> on (GPU)"
+    if env.device.type != "cpu":
+        return False, f"compile: auto -> off (not proven on {env.device.type})"
+    import shutil
+
+    if not any(shutil.which(cxx) for cxx in (os.environ.get("CXX", "g++"), "g++", "c++", "clang++")):
+        return False, "compile: auto -> off (no C++ compiler for Inductor's CPU kernels: install g++)"
+    if run_flops is None:
+        return False, "compile: auto -> off (run length unknown)"
+    per_rank = run_flops / max(1, env.world_size)
+    if per_rank < CPU_COMPILE_MIN_FLOPS:
+        return False, (
+            f"compile: auto -> off ({per_rank / 1e12:.3g} TFLOP per process is under the "
+            f"{CPU_COMPILE_MIN_FLOPS / 1e12:.0f} TFLOP that repay compiling on a CPU; compile: true forces it)"
+        )
+    return True, f"compile: auto -> on ({per_rank / 1e12:.3g} TFLOP per process)"
+
+
+def wants_compile(cfg: MeshformerConfig, env: ParallelEnv, run_flops: float | None = None) -> bool:
+    return compile_decision(cfg, env, run_flops)[0]
 
 
 def apply_compile(model: nn.Module) -> None:
@@ -41,8 +74,23 @@ def apply_compile(model: nn.Module) -> None:
         model.layers[key] = torch.compile(model.layers[key])
 
 
-def parallelize(model: nn.Module, cfg: MeshformerConfig, env: ParallelEnv, loss_fn: LossFn) -> ModelParts:
-    """Apply the configured parallelism to a meta-device model; returns the parts this rank holds (still meta)."""
+def compile_loss(loss_fn: LossFn) -> LossFn:
+    """The loss compiled too: Inductor fuses log-softmax, the target gather and their backward over the
+    [tokens, vocab] logits, which eager runs as separate passes (on the bench_vs_hf model, a CPU: 60-95 ms -> 20-30
+    ms a step)."""
+    import torch
+
+    return torch.compile(loss_fn)
+
+
+def parallelize(
+    model: nn.Module, cfg: MeshformerConfig, env: ParallelEnv, loss_fn: LossFn, run_flops: float | None = None
+) -> ModelParts:
+    """Apply the configured parallelism to a meta-device model; returns the parts this rank holds (still meta).
+    `run_flops` (the whole run's model FLOPs) lets `compile: auto` judge whether compiling pays on a CPU."""
+    compiled = wants_compile(cfg, env, run_flops)
+    if compiled:
+        loss_fn = compile_loss(loss_fn)
     pieces = split_pipeline(model, cfg, env.pp_rank) if env.pp_size > 1 else [(0, model)]
     for _, part in pieces:
         if env.tp_size > 1:
@@ -51,7 +99,7 @@ def parallelize(model: nn.Module, cfg: MeshformerConfig, env: ParallelEnv, loss_
         apply_recompute(part, rc.recompute, stage_index=env.pp_rank, select=rc.select_recompute)
         if env.device.type == "cuda":
             apply_swap(part, cfg.swap_config)
-        if wants_compile(cfg, env):
+        if compiled:
             apply_compile(part)
         apply_data_parallel(part, cfg, env)
     if env.pp_size > 1:

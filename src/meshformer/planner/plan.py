@@ -4,7 +4,7 @@ On top of planner/memory.py's model states and saved activations, a rank's peak 
   logits        the last stage's logits (T x vocab / t in the compute dtype) and, below fp32, their fp32 copy for
                 the loss, alive together with the saved activations at the end of the forward pass
   optimizer     foreach AdamW's temporaries at the step, about one more copy of what it updates (the gradients);
-                none for fused AdamW (the default on GPUs)
+                none for fused AdamW (the default)
   recompute     one recomputed layer's activations, made again during its backward (after the logits are freed)
   FSDP          the gathered weights of two layers (the one computing and the one prefetched), compute dtype
   runtime       what the framework takes before any tensor (CUDA context, one communicator per parallel
@@ -118,7 +118,7 @@ def make_plan(
         cfg = dataclasses.replace(cfg, swap_config=dataclasses.replace(cfg.swap_config, swap=False))
     mc = cfg.model.model_config
     mem = device_memory or acc.memory_bytes
-    fused = cfg.optimizer.fused if cfg.optimizer.fused is not None else acc.name != "cpu"
+    fused = cfg.optimizer.fused if cfg.optimizer.fused is not None else True  # train/optim.use_fused
     low = mc.compute_dtype != "float32"
     a = 2 if low else 4
     T = micro_batch * mc.seq_length
@@ -128,7 +128,7 @@ def make_plan(
         last = st.stage == dims.pp - 1 or (dims.pp > 1 and cfg.parallel_config.pipeline_schedule in _V)
         logits = (T * math.ceil(mc.vocab_size / dims.tp) * (a + (4 if low else 0))) if last else 0
         offload = cfg.parallel_config.cpu_offload and acc.name != "cpu"
-        step_tmp = 0 if fused and not offload else st.grads_bytes  # foreach: one more copy of what it updates
+        step_tmp = 0 if fused else st.grads_bytes  # foreach: one more copy of what it updates
         gathered = 2 * layer_params // dims.tp * a if dims.dp_shard > 1 else 0
         working = st.activations_bytes + gathered + max(logits, st.recompute_bytes)
         # cpu_offload: the shards, gradients and optimizer states (and the step) live in host memory

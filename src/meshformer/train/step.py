@@ -26,6 +26,8 @@ from meshformer.dtypes import DTYPE
 from meshformer.models import build_model, materialize
 from meshformer.models.transforms import ModelTransform, apply_model_transforms
 from meshformer.parallel import ModelParts, ParallelEnv, parallelize
+from meshformer.parallel.parallelize import compile_decision
+from meshformer.planner.throughput import flops_per_token
 from meshformer.train.optim import Optimizers
 
 
@@ -47,19 +49,25 @@ class BuiltModel:
     model: torch.nn.Module  # the whole transformed model, still on the meta device (for counting, plans)
     parts: ModelParts  # this rank's materialized pieces, parallelized
     transforms: list[str]  # names of the model transforms applied, in order
+    compile_note: str = ""  # whether the layers and the loss were compiled, and why
 
 
 def build_parts(
-    cfg: MeshformerConfig, env: ParallelEnv, transforms: Iterable[ModelTransform] | None = None
+    cfg: MeshformerConfig,
+    env: ParallelEnv,
+    transforms: Iterable[ModelTransform] | None = None,
+    run_tokens: int | None = None,
 ) -> BuiltModel:
-    """build_model -> model transforms -> parallelize -> materialize: the one way a run gets its model."""
+    """build_model -> model transforms -> parallelize -> materialize: the one way a run gets its model. `run_tokens`
+    (the tokens the whole run trains on) lets `compile: auto` judge whether compiling pays on a CPU."""
     mc = cfg.model.model_config
     model = build_model(mc)
     applied = apply_model_transforms(model, cfg, transforms)
-    parts = parallelize(model, cfg, env, make_loss_fn(cfg))
+    run_flops = None if run_tokens is None else run_tokens * flops_per_token(cfg)
+    parts = parallelize(model, cfg, env, make_loss_fn(cfg), run_flops)
     for part in parts.parts:
         materialize(part, env.device, cfg.seed, DTYPE[mc.param_init_type])
-    return BuiltModel(model, parts, applied)
+    return BuiltModel(model, parts, applied, compile_decision(cfg, env, run_flops)[1])
 
 
 @dataclass

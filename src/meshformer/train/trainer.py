@@ -137,9 +137,11 @@ class Trainer:
 
     def _build_model(self) -> None:
         cfg = self.cfg
-        built = build_parts(cfg, self.env)
+        run_tokens = self.total_steps * self.plan.global_batch * self.mc.seq_length
+        built = build_parts(cfg, self.env, run_tokens=run_tokens)
         for name in built.transforms:
             self.console.log(f"model transform: {name}")
+        self.console.log(built.compile_note)
         self.n_params = num_params(built.model)
         self.n_trainable = sum(p.numel() for p in built.model.parameters() if p.requires_grad)
         # The input embedding is a lookup, not a matmul; a tied head does matmul work, so count it then.

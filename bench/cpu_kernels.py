@@ -1,0 +1,122 @@
+#!/usr/bin/env python
+"""The kernels of bench_vs_hf's model timed one by one, to decide which step optimisations pay on this machine.
+
+Prints, for fp32 and bf16 (bf16 only where the CPU has bf16 matmul units):
+  1. the model's matmul shapes (forward, input-gradient, weight-gradient) in GFLOP/s against square matmuls, and
+     q/k/v and gate/up as three/two matmuls or one fused (a fused projection pays only if it runs faster);
+  2. attention, forward + backward per layer: SDPA flash, SDPA's math backend, and the unfused form (HF "eager":
+     `q @ k^T`, fp32 softmax, `@ v`);
+  3. the loss over `[batch, seq, vocab]` logits, eager and compiled (meshformer's make_loss_fn);
+  4. AdamW over the model's parameter shapes: foreach against fused.
+Each figure is the best of several calls after warm-up (a busy machine slows calls, never speeds one up).
+
+    python bench/cpu_kernels.py                 # the bench_vs_hf defaults: hidden 512, ffn 1376, 2048 tokens
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+import torch.nn.functional as F
+
+
+def best_ms(fn, n: int = 10, warmup: int = 3) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(n):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return min(times) * 1e3
+
+
+def matmuls(dt, tokens: int, h: int, ffn: int, vocab: int) -> None:
+    for n in (512, 1024, 2048):
+        a, b = torch.randn(n, n, dtype=dt), torch.randn(n, n, dtype=dt)
+        print(f"  square {n}: {2 * n**3 / best_ms(lambda: a @ b, 5) / 1e6:.0f} GFLOP/s")
+    for k, o in ((h, h), (h, 3 * h), (h, ffn), (h, 2 * ffn), (ffn, h), (h, vocab)):
+        x, w, g = torch.randn(tokens, k, dtype=dt), torch.randn(o, k, dtype=dt), torch.randn(tokens, o, dtype=dt)
+        rates = [2 * tokens * k * o / best_ms(f) / 1e6 for f in (lambda: x @ w.t(), lambda: g @ w, lambda: g.t() @ x)]
+        print(
+            f"  [{tokens}, {k}] x [{k}, {o}]: forward {rates[0]:.0f}, input grad {rates[1]:.0f}, weight grad "
+            f"{rates[2]:.0f} GFLOP/s"
+        )
+
+
+def attention(dt, batch: int, heads: int, seq: int, head_dim: int) -> None:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    q, k, v = (torch.randn(batch, heads, seq, head_dim, dtype=dt, requires_grad=True) for _ in range(3))
+    g = torch.randn(batch, heads, seq, head_dim, dtype=dt)
+    mask = torch.ones(seq, seq, dtype=torch.bool).tril()
+
+    def flash():
+        F.scaled_dot_product_attention(q, k, v, is_causal=True).backward(g)
+
+    def math_backend():
+        with sdpa_kernel([SDPBackend.MATH]):
+            F.scaled_dot_product_attention(q, k, v, is_causal=True).backward(g)
+
+    def unfused():
+        s = (q @ k.transpose(-1, -2)) * head_dim**-0.5
+        p = torch.softmax(s.masked_fill(~mask, float("-inf")).float(), -1).to(dt)
+        (p @ v).backward(g)
+
+    for name, fn in (("SDPA flash", flash), ("SDPA math backend", math_backend), ("unfused (HF eager)", unfused)):
+        print(f"  {name}: {best_ms(fn, 6):.1f} ms forward + backward per layer")
+
+
+def loss(dt, batch: int, seq: int, vocab: int) -> None:
+    from meshformer.config import load_config
+    from meshformer.train.step import make_loss_fn
+
+    eager = make_loss_fn(load_config(None, []))
+    compiled = torch.compile(eager)
+    x = torch.randn(batch, seq, vocab, dtype=dt, requires_grad=True)
+    y = torch.randint(0, vocab, (batch, seq))
+    for name, fn in (("eager", eager), ("compiled", compiled)):
+        fwd = best_ms(lambda fn=fn: fn(x, y), 6)
+        both = best_ms(lambda fn=fn: fn(x, y).backward(), 6)
+        print(f"  loss {name}: forward {fwd:.1f} ms, forward + backward {both:.1f} ms")
+
+
+def adamw(h: int, ffn: int, vocab: int, layers: int) -> None:
+    shapes = [(vocab, h), (vocab, h), (h,)] + layers * [(h, h)] * 4 + layers * [(ffn, h)] * 3 + layers * [(h,)] * 2
+    params = [torch.randn(s, requires_grad=True) for s in shapes]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    n = sum(p.numel() for p in params)
+    for name, kw in (("foreach", {"foreach": True}), ("fused", {"fused": True})):
+        opt = torch.optim.AdamW(params, lr=1e-4, **kw)
+        print(f"  AdamW {name} over {n / 1e6:.1f}M fp32 parameters: {best_ms(opt.step, 8):.1f} ms per step")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--hidden", type=int, default=512)
+    p.add_argument("--ffn", type=int, default=1376)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--vocab", type=int, default=8192)
+    p.add_argument("--seq", type=int, default=256)
+    p.add_argument("--batch", type=int, default=8)
+    a = p.parse_args()
+    from meshformer.train.metrics import cpu_has_bf16
+
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    for dt in (torch.float32, torch.bfloat16):
+        if dt == torch.bfloat16 and not cpu_has_bf16():
+            print("bf16: skipped (this CPU has no AVX-512 BF16 or AMX: bf16 matmuls would be emulated)")
+            continue
+        print(f"{dt}:")
+        matmuls(dt, a.batch * a.seq, a.hidden, a.ffn, a.vocab)
+        attention(dt, a.batch, a.heads, a.seq, a.hidden // a.heads)
+        loss(dt, a.batch, a.seq, a.vocab)
+    adamw(a.hidden, a.ffn, a.vocab, a.layers)
+
+
+if __name__ == "__main__":
+    main()
