@@ -211,6 +211,44 @@ def layer_activation_bytes(
     return total, mlp_grad or g.down
 
 
+def split_backward_kept_bytes(
+    mc: ModelConfig,
+    tokens: int,
+    tp: int,
+    sp: bool,
+    dtypes: dict[str, int],
+    g: LayerGrads | None = None,
+    grad_in: bool = True,
+    mlp_kept: bool = True,
+) -> int:
+    """Bytes of one layer's saved tensors (no recompute) that outlive its weight-gradient action (W) on a pipeline
+    stage other than the first, under the schedules that split backward (zero bubble, ZBV, DualPipeV). torch's W
+    re-runs only the nodes between the weights and the `intermediates` it kept (torch.distributed.pipelining
+    _backward.stage_backward_weight), freeing the matmuls' inputs and the norms' normalised values; the rest of the
+    graph lives until the step ends: the norms' inputs and rsqrt, attention's q, k, v, output and log-sum-exp, and
+    SwiGLU's element-wise inputs except in the last layer of a stage that sends its output on (measured, torch
+    2.13: bench/planner_vs_measured.py)."""
+    g = g or LayerGrads()
+    T, h, f = tokens, mc.hidden_size, mc.ffn_hidden_size
+    heads, kv_heads, hd = mc.num_heads, mc.num_kv_heads, mc.dim_per_head
+    n, a = dtypes["norm"], dtypes["compute"]
+    rows = T // tp if sp else T
+    total = _norm_bytes(rows, h, n, grad_in, False)
+    normed_grad = grad_in or g.norm1
+    q_grad, k_grad, v_grad = normed_grad or g.q, normed_grad or g.k, normed_grad or g.v
+    if mc.use_qk_norm:
+        total += _norm_bytes(T * heads // tp, hd, n, q_grad, False)
+        total += _norm_bytes(T * kv_heads // tp, hd, n, k_grad, False)
+    qkv_grad = q_grad or k_grad or v_grad
+    if qkv_grad:
+        total += (2 * T * heads * hd + 2 * T * kv_heads * hd) * a // tp + 4 * T * heads // tp
+    mid_grad = qkv_grad or g.o
+    total += _norm_bytes(rows, h, n, mid_grad, False)
+    if mlp_kept and (mid_grad or g.norm2 or g.gate or g.up):
+        total += 3 * T * f * a // tp
+    return total
+
+
 def selective_layer_bytes(
     mc: ModelConfig, tokens: int, tp: int, sp: bool, a: int, residual: int, lora: dict | None = None
 ) -> int:
@@ -259,8 +297,9 @@ def stage_memory(
     largest = 0
     swapped, swap_host = _swapped_layers(cfg, pieces), {}
     per_stage, buffer = {}, {}  # bytes a micro-batch leaves saved on each stage; a later stage's received input
+    after_w = {}  # split-backward schedules: what a micro-batch still holds after its W (split_backward_kept_bytes)
     for s, piece in pieces:
-        kept = 0
+        kept = kept_after_w = 0
         grad = s > 0 or any(p.requires_grad for p in piece.embed_tokens.parameters())
         n_rc, n_sel = _recomputed_layers(cfg, pp_rank, len(piece.layers))
         swap_host[s] = 0
@@ -278,6 +317,11 @@ def stage_memory(
                 largest = max(largest, full)
             else:
                 kept += full
+                last_sender = i == len(piece.layers) - 1 and s < n_stages - 1
+                if kept_after_w is not None:
+                    kept_after_w += split_backward_kept_bytes(mc, T, tp, sp, dt, g, grad, not last_sender)
+            if i < n_sel or int(key) in swapped[0]:
+                kept_after_w = None  # recompute or swap under a split backward: not modelled (kept whole)
             grad = grad_out
         if s == n_stages - 1:
             h = mc.hidden_size
@@ -287,10 +331,14 @@ def stage_memory(
             kept += _norm_bytes(T // tp if sp else T, h, dt["norm"], grad, norm_trains)
             kept += T * h * dt["compute"] if head_trains else 0
             kept += T * math.ceil(mc.vocab_size / tp) * _size(mc.softmax_compute_dtype)  # log-softmax
+            if kept_after_w is not None:
+                kept_after_w += _norm_bytes(T // tp if sp else T, h, dt["norm"], grad, False)
         per_stage[s] = kept
         # Every micro-batch's input arrives in a buffer of its own, alive through the step; an in-flight one is
         # its first layer's input (counted in `kept`).
         buffer[s] = layer_input if s > 0 else 0
+        # The first stage's W is its whole backward (it has no input gradient to split off): it frees everything.
+        after_w[s] = 0 if s == 0 else per_stage[s] if kept_after_w is None else kept_after_w
     actions = None
     if dims.pp > 1:
         from meshformer.parallel.pipeline import stage_ids
@@ -300,7 +348,11 @@ def stage_memory(
             pc.pipeline_schedule, dims.pp, _stages_per_rank(cfg), n_micro, pp_rank, tuple(stage_ids(cfg, pp_rank))
         )
     if actions is not None:
-        live, k = peak_live(actions, {s: per_stage[s] - buffer[s] for s in per_stage})
+        live, k = peak_live(
+            actions,
+            {s: per_stage[s] - buffer[s] for s in per_stage},
+            {s: max(0, after_w[s] - buffer[s]) for s in per_stage},
+        )
         host, _ = peak_live(actions, swap_host)
     else:
         k = _in_flight(cfg, n_micro, pp_rank)

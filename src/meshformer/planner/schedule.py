@@ -52,16 +52,21 @@ def rank_actions(schedule: str, pp: int, stages_per_rank: int, n_micro: int, ran
     return out
 
 
-def peak_live(actions, per_stage: dict[int, int]) -> tuple[int, int]:
-    """(peak bytes, micro-batches live at that peak) replaying `actions` with each stage's bytes per micro-batch."""
+def peak_live(actions, per_stage: dict[int, int], after_w: dict[int, int] | None = None) -> tuple[int, int]:
+    """(peak bytes, micro-batches live at that peak) replaying `actions` with each stage's bytes per micro-batch;
+    `after_w`: what a micro-batch of a stage still holds from its W until the step ends (split backward: torch's
+    weight pass frees only part of the graph, planner/memory.py split_backward_kept_bytes)."""
+    after_w = after_w or {}
     live = {s: 0 for s in per_stage}
+    lingering = {s: 0 for s in per_stage}
     peak = count = 0
     for kind, stage, _ in actions:
         if kind == "F":
             live[stage] += 1
         elif kind in ("B", "W"):
             live[stage] -= 1
-        total = sum(live[s] * per_stage[s] for s in live)
+            lingering[stage] += kind == "W"
+        total = sum(live[s] * per_stage[s] + lingering[s] * after_w.get(s, 0) for s in live)
         if total > peak:
             peak, count = total, sum(live.values())
     return peak, count
