@@ -18,14 +18,8 @@ from typing import Any
 
 import yaml
 
-from meshformer.config.schema import (
-    IGNORED_KEYS,
-    LIST_ITEM_SCHEMAS,
-    MODEL_CHANGING_KEYS,
-    MeshformerConfig,
-    field_default,
-    is_dataclass_type,
-)
+from meshformer.config.mindspore_keys import IGNORED_KEYS, MODEL_CHANGING_KEYS
+from meshformer.config.schema import LIST_ITEM_SCHEMAS, MeshformerConfig, field_default, is_dataclass_type
 from meshformer.errors import UserError
 
 # Misspellings seen in the wild that we accept silently (the seed article itself writes CheckpointMointor).

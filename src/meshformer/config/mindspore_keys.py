@@ -1,0 +1,74 @@
+"""MindSpore Transformers keys meshformer does not model: which are accepted and ignored (one notice each), and
+which would change the network when set, so are accepted only at the value that leaves the model as meshformer
+builds it (config/load.py applies both while it reads a file)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+# MindSpore-only keys users carry over from real configs: accepted and ignored, with one notice each.
+# MindSpore data-pipeline knobs (workers, prefetch, columns) that both dataset sections may carry.
+_DATASET_IGNORED = frozenset(
+    """
+    construct_args_key input_columns num_parallel_workers numa_enable output_columns prefetch_size
+    python_multiprocessing repeat seed
+    """.split()
+)
+IGNORED_KEYS = {
+    (): frozenset(
+        """
+        auto_trans_ckpt auto_tune autotune_per_step context eval_callbacks eval_dataset_task filepath_prefix
+        init_start_profile layer_scale load_ckpt_format lr_scale_factor metric moe_config only_save_strategy
+        pretrained_model_dir processor profile_communication remote_save_url src_strategy_path_or_dir
+        train_dataset_task trainer use_legacy
+        """.split()
+    ),
+    ("parallel",): frozenset({"strategy_ckpt_config", "dataset_strategy"}),
+    ("train_dataset",): _DATASET_IGNORED,
+    ("eval_dataset",): _DATASET_IGNORED,
+    ("model", "model_config"): frozenset(
+        """
+        batch_size block_size checkpoint_name_or_path do_sample emb_dropout_prob extend_method
+        fine_grain_interleave input_sliced_sig is_dynamic max_decode_length num_blocks
+        qkv_concat repetition_penalty rotary_pct router_dense_type scaling_factor top_k top_p
+        use_flash_attention use_past use_past_shard
+        """.split()
+    ),
+}
+
+
+def _dense_moe(v: Any) -> bool:
+    """A moe_config that describes a dense model (no block, or one expert)."""
+    if v is None:
+        return True
+    n = v.get("expert_num", 1) if isinstance(v, dict) else None
+    return n is None or (isinstance(n, int) and not isinstance(n, bool) and n <= 1)
+
+
+# MindSpore-only keys that would change the network when set: accepted (with the notice above) only at the value
+# that leaves the model as meshformer builds it, otherwise refused, since ignoring them would train a different
+# model than the file describes. (path, key) -> (value is harmless, why it is refused and what to do).
+MODEL_CHANGING_KEYS = {
+    ((), "moe_config"): (
+        _dense_moe,
+        "Mixture-of-Experts (expert_num > 1) is not supported yet: remove moe_config "
+        "or set expert_num: 1 to train the dense model",
+    ),
+    (("model", "model_config"), "extend_method"): (
+        lambda v: v in (None, "None", "none"),
+        "rotary extension PI/NTK is not supported: use "
+        'model.model_config.rope_scaling (type: llama3) or set extend_method: "None"',
+    ),
+    (("model", "model_config"), "scaling_factor"): (
+        lambda v: v in (None, 1, 1.0),
+        "rotary position interpolation is not supported: set scaling_factor: 1.0",
+    ),
+    (("model", "model_config"), "rotary_pct"): (
+        lambda v: v in (None, 1, 1.0),
+        "partial rotary embeddings are not supported: set rotary_pct: 1.0",
+    ),
+    (("model", "model_config"), "emb_dropout_prob"): (
+        lambda v: v in (None, 0, 0.0),
+        "embedding dropout is not supported: set emb_dropout_prob: 0.0",
+    ),
+}
