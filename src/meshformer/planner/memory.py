@@ -312,6 +312,8 @@ def stage_memory(
             elif i < n_rc:  # recomputed: keeps its input; its backward holds the full set again, one layer at a time
                 kept += layer_input if grad or grad_out else 0
                 largest = max(largest, full)
+                if kept_after_w is not None:  # the input outlives W; what the recompute makes dies within I
+                    kept_after_w += layer_input if grad or grad_out else 0
             elif i < n_sel:  # selective: keeps the matmul, attention and collective outputs
                 kept += selective_layer_bytes(mc, T, tp, sp, dt["compute"], residual, g.lora)
                 largest = max(largest, full)
@@ -320,8 +322,8 @@ def stage_memory(
                 last_sender = i == len(piece.layers) - 1 and s < n_stages - 1
                 if kept_after_w is not None:
                     kept_after_w += split_backward_kept_bytes(mc, T, tp, sp, dt, g, grad, not last_sender)
-            if i < n_sel or int(key) in swapped[0]:
-                kept_after_w = None  # recompute or swap under a split backward: not modelled (kept whole)
+            if n_rc <= i < n_sel or int(key) in swapped[0]:
+                kept_after_w = None  # selective recompute or swap under a split backward: not modelled (kept whole)
             grad = grad_out
         if s == n_stages - 1:
             h = mc.hidden_size
@@ -331,8 +333,9 @@ def stage_memory(
             kept += _norm_bytes(T // tp if sp else T, h, dt["norm"], grad, norm_trains)
             kept += T * h * dt["compute"] if head_trains else 0
             kept += T * math.ceil(mc.vocab_size / tp) * _size(mc.softmax_compute_dtype)  # log-softmax
-            if kept_after_w is not None:
+            if kept_after_w is not None:  # the final norm's input and rsqrt, the log-softmax: not on W's path
                 kept_after_w += _norm_bytes(T // tp if sp else T, h, dt["norm"], grad, False)
+                kept_after_w += T * math.ceil(mc.vocab_size / tp) * _size(mc.softmax_compute_dtype)
         per_stage[s] = kept
         # Every micro-batch's input arrives in a buffer of its own, alive through the step; an in-flight one is
         # its first layer's input (counted in `kept`).
