@@ -1,7 +1,8 @@
 """Where a step's time goes: data, forward/backward, optimizer, the rest, and (on logging steps) collectives.
 
-`StepClock` splits a step into phases by wall-clock laps; on a GPU each lap first waits for the device, so a
-phase is charged with the kernels it queued, not with whatever the next phase waits for. The phases add up to the
+`StepClock` splits a step into phases by wall-clock laps; on a GPU by CUDA events on the compute stream, so a
+phase is charged with the device time between its start and end marks (the kernels it queued), read once the
+step has ended, without waiting for the device at every lap. The phases add up to the
 step time by construction (`time_other_s` is what none of them covers: the global token count and loss
 reductions, the learning-rate schedule, memory accounting), so a large `time_other_s` is itself a finding.
 
@@ -35,25 +36,37 @@ _COMM_WORDS = (
 
 
 class StepClock:
-    """Wall-clock laps through one step's phases (GPU: synchronised at each lap)."""
+    """Laps through one step's phases: wall-clock on a CPU; on a GPU a CUDA event per lap, read after the step's
+    closing synchronisation (waiting for the device at each lap would stall the host before every phase: a
+    per-step cost the breakdown must not add)."""
 
     def __init__(self, device: torch.device):
         self.device = device
-        self.start = self._last = self._now()
+        self.start = self._last = time.perf_counter()
         self.laps: dict[str, float] = {}
+        self._events: list[tuple[str, torch.cuda.Event]] = []
+        if device.type == "cuda":
+            self._events.append(("", self._event()))
 
-    def _now(self) -> float:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        return time.perf_counter()
+    def _event(self):
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record(torch.cuda.current_stream(self.device))
+        return ev
 
     def lap(self, phase: str) -> None:
-        now = self._now()
+        if self._events:
+            self._events.append((phase, self._event()))
+            return
+        now = time.perf_counter()
         self.laps[phase] = self.laps.get(phase, 0.0) + now - self._last
         self._last = now
 
     def breakdown(self, total_s: float) -> dict[str, float]:
-        """time_<phase>_s for each phase and time_other_s = the rest of `total_s`."""
+        """time_<phase>_s for each phase and time_other_s = the rest of `total_s` (on a GPU, call it after the
+        step's closing torch.cuda.synchronize: the events are read then)."""
+        for (_, a), (phase, b) in zip(self._events, self._events[1:]):
+            self.laps[phase] = self.laps.get(phase, 0.0) + a.elapsed_time(b) / 1e3
+        self._events = self._events[-1:]
         out = {f"time_{p}_s": self.laps.get(p, 0.0) for p in PHASES}
         out["time_other_s"] = max(0.0, total_s - sum(out.values()))
         return out

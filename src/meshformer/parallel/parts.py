@@ -71,7 +71,7 @@ class ModelParts:
         inputs: torch.Tensor,
         labels: torch.Tensor,
         n_micro: int,
-        loss_scale: float,
+        loss_scale: float | torch.Tensor,
         documents: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """inputs/labels: [n_micro * micro_batch, seq]. Backward of sum_loss * loss_scale per micro-batch.

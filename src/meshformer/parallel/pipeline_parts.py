@@ -51,7 +51,9 @@ class PipelineParts(ModelParts):
             )
         return self._schedules[n_micro]
 
-    def forward_backward(self, inputs, labels, n_micro: int, loss_scale: float, documents=None) -> torch.Tensor:
+    def forward_backward(
+        self, inputs, labels, n_micro: int, loss_scale: float | torch.Tensor, documents=None
+    ) -> torch.Tensor:
         if documents is not None:  # config validation refuses packing with pipeline_stage > 1
             raise ValueError("packed documents are not supported with pipeline parallelism")
         sched = self.schedule(n_micro)

@@ -108,7 +108,9 @@ def train_step(
     lap = clock.lap if clock is not None else lambda phase: None
     n_tok = env.all_reduce_sum_dp((labels != ignore_index).sum().to(torch.float64))
     with capture if capture is not None else contextlib.nullcontext():
-        scale = env.grad_average_size / n_tok.item() * loss_scale
+        # A device scalar, not a Python float: reading the token count here would make the host wait for the
+        # device before the step's first kernel, a stall a GPU pays every step (the loss is read once, at the end).
+        scale = (env.grad_average_size * loss_scale / n_tok).to(torch.float32)
         lap("other")
         loss_sum = parts.forward_backward(inputs, labels, n_micro, scale, documents=documents)
         lap("fwd_bwd")
@@ -126,7 +128,7 @@ def train_step(
             after_update()
     optimizer.zero_grad(set_to_none=True)
     lap("optim")
-    return StepResult(loss, grad_norm, float(n_tok), skipped=not finite)
+    return StepResult(loss, grad_norm, float(n_tok), skipped=not finite)  # n_tok: read after the loss, no wait
 
 
 def clip_threshold(cfg: MeshformerConfig) -> float | None:
