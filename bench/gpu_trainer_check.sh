@@ -1,10 +1,16 @@
 #!/usr/bin/env bash
 # The trainer's GPU paths in one short run (a lent GPU): compile auto (on), fused AdamW, expandable segments, the
 # step-time breakdown, the profile window with CUDA activity and the allocator history, TensorBoard, the journal.
-# Usage: OUT=dir bash bench/gpu_trainer_check.sh   (needs runs/demo_data: make demo's preprocessing)
+# Usage: OUT=dir bash bench/gpu_trainer_check.sh   (makes runs/demo_data from the shipped text when it is missing)
+# The step-time breakdown reads CUDA events there (observe/timing.py): its phases should add up to the step time.
 set -u
 OUT=${OUT:-runs/gpu_trainer_check}
 export PYTHONPATH=src PYTHONUNBUFFERED=1
+if [ ! -d runs/demo_data ]; then
+  python3 -m meshformer tokenizer train --input data/shakespeare/*.txt --vocab-size 2048 --output runs/demo_tokenizer \
+    --overwrite >/dev/null && python3 -m meshformer preprocess --input data/shakespeare/*.txt \
+    --tokenizer runs/demo_tokenizer --output runs/demo_data --overwrite >/dev/null || exit 1
+fi
 timeout 240 python3 -m meshformer train configs/demo_shakespeare.yaml --runner_config.stop_step 12 \
   --output_dir "$OUT/run" --model.model_config.compute_dtype bfloat16 --tensorboard.tensorboard_dir "$OUT/tb" \
   --profile 4:5 --monitor_config.progress_bar plain --do_eval false \
