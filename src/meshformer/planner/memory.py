@@ -24,7 +24,9 @@ then, so the peak is at most their sum). The last stage adds the final norm and 
 softmax_compute_dtype (T x vocab / t under tensor parallel: loss parallel). Token ids, labels and the rotary
 tables are the batch's and the model's memory, not activations. A stage holds as many micro-batches in flight
 as its schedule makes it (all of them under GPipe, pp - rank under 1F1B; multi-stage schedules are replayed from
-their own action list, planner/schedule.py), and a later stage keeps a receive buffer per micro-batch.
+their own action list, planner/schedule.py), and a later stage keeps a receive buffer per micro-batch. Schedules
+that split the backward keep part of each micro-batch from its weight step to the end of the step
+(`split_backward_kept_bytes`).
 tests/test_memory.py and tests/test_parallel.py check every figure against the bytes real runs measure
 (train/memory.py).
 """
