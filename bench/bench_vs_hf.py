@@ -124,7 +124,7 @@ def build_meshformer(a):
     env = init_parallel(cfg, world_size=1)
     # The trainer's build (model, transforms, parallelize, materialize), told the run's length as the trainer tells it.
     built = build_parts(cfg, env, run_tokens=a.run_steps * a.batch * a.seq)
-    print(built.compile_note + f" [a run of {a.run_steps} steps: --run-steps]")
+    print(built.parts.compile_note + f" [a run of {a.run_steps} steps: --run-steps]")
     n_params = sum(p.numel() for p in built.model.parameters())
     n_embedding = built.model.embed_tokens.weight.numel()
     parts = built.parts

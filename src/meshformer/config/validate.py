@@ -88,7 +88,7 @@ SELECT_RECOMPUTE_OPS = ("mul", "silu", "activation", "reshape", "add", "norm", "
 
 def check_compile(cfg: MeshformerConfig) -> None:
     """compile: the layouts where per-layer torch.compile is not proven are refused, each with its reason."""
-    if cfg.compile is not True:  # auto decides per device and layout (parallelize.wants_compile)
+    if cfg.compile is not True:  # auto decides per device and layout (parallelize.compile_decision)
         return
     pc = cfg.parallel_config
     if cfg.swap_config.swap:

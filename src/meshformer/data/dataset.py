@@ -274,3 +274,27 @@ class GlobalBatches:
         if not hasattr(dataset, "mask"):
             return None
         return torch.stack([dataset.mask(int(i)) for i in self.sample_ids(b)])
+
+    def model_inputs(
+        self, dataset, b: int, device: torch.device, vocab_size: int, ignore: int, field: str
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Inputs, next-token labels and document indices (packed rows; else None) of global batch b's rows, on
+        `device`. Labels the mask does not keep (prompts, padding of instruction data) and labels that would predict
+        the first token of the next packed sample become `ignore`. The token ids are checked against the vocabulary
+        on the host, before the copy: on a GPU a check there would make the host wait for the device every step."""
+        tokens = self.batch(dataset, b)
+        if int(tokens.max()) >= vocab_size:  # a corrupt or foreign token file
+            raise UserError(
+                f"{field}: global batch {b} holds token id {int(tokens.max())} but model.model_config.vocab_size is "
+                f"{vocab_size}: re-run `meshformer preprocess`"
+            )
+        tokens = tokens.to(device)
+        targets, documents = self.targets(dataset, b), self.documents(dataset, b)
+        labels = tokens[:, 1:]
+        if targets is not None:
+            labels = labels.masked_fill(~targets[:, 1:].to(device), ignore)
+        if documents is not None:
+            documents = documents.to(device)
+            labels = labels.masked_fill(documents[:, 1:] != documents[:, :-1], ignore)
+            documents = documents[:, :-1]
+        return tokens[:, :-1], labels, documents

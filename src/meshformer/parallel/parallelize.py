@@ -61,10 +61,6 @@ def compile_decision(cfg: MeshformerConfig, env: ParallelEnv, run_flops: float |
     return True, f"compile: auto -> on ({per_rank / 1e12:.3g} TFLOP per process)"
 
 
-def wants_compile(cfg: MeshformerConfig, env: ParallelEnv, run_flops: float | None = None) -> bool:
-    return compile_decision(cfg, env, run_flops)[0]
-
-
 def apply_compile(model: nn.Module) -> None:
     """torch.compile each decoder layer (after recompute wraps it, before FSDP wraps it, as torchtitan does): the
     layers share one compiled graph, and FSDP's hooks stay outside it."""
@@ -87,8 +83,9 @@ def parallelize(
     model: nn.Module, cfg: MeshformerConfig, env: ParallelEnv, loss_fn: LossFn, run_flops: float | None = None
 ) -> ModelParts:
     """Apply the configured parallelism to a meta-device model; returns the parts this rank holds (still meta).
-    `run_flops` (the whole run's model FLOPs) lets `compile: auto` judge whether compiling pays on a CPU."""
-    compiled = wants_compile(cfg, env, run_flops)
+    `run_flops` (the whole run's model FLOPs) lets `compile: auto` judge whether compiling pays on a CPU; the parts'
+    `compile_note` says what it decided and why."""
+    compiled, why = compile_decision(cfg, env, run_flops)
     if compiled:
         loss_fn = compile_loss(loss_fn)
     pieces = split_pipeline(model, cfg, env.pp_rank) if env.pp_size > 1 else [(0, model)]
@@ -103,5 +100,8 @@ def parallelize(
             apply_compile(part)
         apply_data_parallel(part, cfg, env)
     if env.pp_size > 1:
-        return PipelineParts([p for _, p in pieces], [s for s, _ in pieces], cfg, env, loss_fn)
-    return ModelParts([model], cfg, env, loss_fn)
+        parts = PipelineParts([p for _, p in pieces], [s for s, _ in pieces], cfg, env, loss_fn)
+    else:
+        parts = ModelParts([model], cfg, env, loss_fn)
+    parts.compile_note = why
+    return parts

@@ -38,6 +38,7 @@ class ModelParts:
 
     def __init__(self, parts: list[nn.Module], cfg: MeshformerConfig, env: ParallelEnv, loss_fn: LossFn):
         self.parts, self.cfg, self.env, self.loss_fn = parts, cfg, env, loss_fn
+        self.compile_note = ""  # parallelize: whether the layers and the loss were compiled, and why
         mc = cfg.model.model_config
         self.autocast_dtype = DTYPE[mc.compute_dtype] if mc.compute_dtype != mc.param_init_type else None
 

@@ -26,7 +26,6 @@ from meshformer.dtypes import DTYPE
 from meshformer.models import build_model, materialize
 from meshformer.models.transforms import ModelTransform, apply_model_transforms
 from meshformer.parallel import ModelParts, ParallelEnv, parallelize
-from meshformer.parallel.parallelize import compile_decision
 from meshformer.planner.throughput import flops_per_token
 from meshformer.train.optim import Optimizers
 
@@ -49,7 +48,6 @@ class BuiltModel:
     model: torch.nn.Module  # the whole transformed model, still on the meta device (for counting, plans)
     parts: ModelParts  # this rank's materialized pieces, parallelized
     transforms: list[str]  # names of the model transforms applied, in order
-    compile_note: str = ""  # whether the layers and the loss were compiled, and why
 
 
 def build_parts(
@@ -67,7 +65,7 @@ def build_parts(
     parts = parallelize(model, cfg, env, make_loss_fn(cfg), run_flops)
     for part in parts.parts:
         materialize(part, env.device, cfg.seed, DTYPE[mc.param_init_type])
-    return BuiltModel(model, parts, applied, compile_decision(cfg, env, run_flops)[1])
+    return BuiltModel(model, parts, applied)
 
 
 @dataclass

@@ -141,7 +141,7 @@ class Trainer:
         built = build_parts(cfg, self.env, run_tokens=run_tokens)
         for name in built.transforms:
             self.console.log(f"model transform: {name}")
-        self.console.log(built.compile_note)
+        self.console.log(built.parts.compile_note)
         self.n_params = num_params(built.model)
         self.n_trainable = sum(p.numel() for p in built.model.parameters() if p.requires_grad)
         # The input embedding is a lookup, not a matmul; a tied head does matmul work, so count it then.
@@ -390,26 +390,8 @@ class Trainer:
         return back
 
     def _inputs_labels(self, ds, order: GlobalBatches, b: int) -> tuple[Tensor, Tensor, Tensor | None]:
-        """Inputs, next-token labels and document indices (packed rows; else None) of global batch b's rows.
-        Labels the mask does not keep (prompts, padding of instruction data) and labels that would predict the
-        first token of the next packed sample become ignore_token_id."""
-        dev, ignore = self.env.device, self.mc.ignore_token_id
-        tokens = order.batch(ds, b).to(dev)
-        if int(tokens.max()) >= self.mc.vocab_size:  # a corrupt or foreign token file
-            raise UserError(
-                f"{'train' if ds is self.train_ds else 'eval'}_dataset: global batch {b} holds token id "
-                f"{int(tokens.max())} but model.model_config.vocab_size is {self.mc.vocab_size}: re-run "
-                f"`meshformer preprocess`"
-            )
-        targets, documents = order.targets(ds, b), order.documents(ds, b)
-        labels = tokens[:, 1:]
-        if targets is not None:
-            labels = labels.masked_fill(~targets[:, 1:].to(dev), ignore)
-        if documents is not None:
-            documents = documents.to(dev)
-            labels = labels.masked_fill(documents[:, 1:] != documents[:, :-1], ignore)
-            documents = documents[:, :-1]
-        return tokens[:, :-1], labels, documents
+        field = f"{'train' if ds is self.train_ds else 'eval'}_dataset"
+        return order.model_inputs(ds, b, self.env.device, self.mc.vocab_size, self.mc.ignore_token_id, field)
 
     def _eval_due(self, done: int) -> bool:
         every = self.cfg.eval_config.eval_interval
