@@ -3,12 +3,28 @@
 from __future__ import annotations
 
 import hashlib
+import os
+import sys
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 CORPUS = sorted((ROOT / "data" / "shakespeare").glob("*.txt"))
+DIST = ROOT / "tests" / "dist"  # what torchrun launches: the parity harness and its workers
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
+FP32_RTOL = 1e-5  # an fp32 parallel run against the single process: relative, per step
+
+
+def torchrun_env() -> dict:
+    """The environment a test's torchrun launch gets: one OpenMP thread per rank, no inherited WORLD_SIZE."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env.pop("WORLD_SIZE", None)
+    return env
+
+
+def rel(a: float, b: float) -> float:
+    return abs(a - b) / max(abs(b), 1e-12)
 
 
 @pytest.fixture(scope="session")
