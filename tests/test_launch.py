@@ -203,6 +203,12 @@ def _compare_metrics(got: list[dict], ref: list[dict], keys=("loss", "grad_norm"
                 assert rel(g[key], r[key]) <= FP32_RTOL, (key, g, r)
 
 
+def _train_in_one_process(tmp_path: Path, overrides: list[str]) -> subprocess.CompletedProcess:
+    """`meshformer train` on the empty config with these overrides, one process, as a user runs it."""
+    cmd = [sys.executable, "-m", "meshformer", "train", str(_empty_yaml(tmp_path)), *overrides]
+    return subprocess.run(cmd, capture_output=True, text=True, env=torchrun_env(), timeout=300)
+
+
 def test_cli_train_under_torchrun_matches_single_process(tiny_dataset, tmp_path):
     """`meshformer train` metrics under pp2 (launch) and FSDP x TP (torchrun) equal one process; the FSDP x TP
     checkpoint then resumes in one process and continues exactly like the uninterrupted single-process run."""
@@ -222,13 +228,7 @@ def test_cli_train_under_torchrun_matches_single_process(tiny_dataset, tmp_path)
         tmp_path / "one",
         {**common, "runner_config.gradient_accumulation_steps": 4, "runner_config.stop_step": 8},
     )
-    p = subprocess.run(
-        [sys.executable, "-m", "meshformer", "train", str(_empty_yaml(tmp_path)), *single],
-        capture_output=True,
-        text=True,
-        env=torchrun_env(),
-        timeout=300,
-    )
+    p = _train_in_one_process(tmp_path, single)
     assert p.returncode == 0, p.stderr[-3000:]
     ref = _metrics(tmp_path / "one")
     assert len(ref) == 8 and "eval_loss" in ref[4] and "eval_loss" in ref[7]
@@ -301,13 +301,7 @@ def test_cli_train_under_torchrun_matches_single_process(tiny_dataset, tmp_path)
             "resume_training": "true",
         },
     )
-    p = subprocess.run(
-        [sys.executable, "-m", "meshformer", "train", str(_empty_yaml(tmp_path)), *resumed],
-        capture_output=True,
-        text=True,
-        env=torchrun_env(),
-        timeout=300,
-    )
+    p = _train_in_one_process(tmp_path, resumed)
     assert p.returncode == 0, p.stderr[-3000:]
     assert "resumed from" in p.stdout and "step_00000005" in p.stdout
     _compare_metrics(_metrics(tmp_path / "ft"), ref)
