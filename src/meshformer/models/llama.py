@@ -22,6 +22,7 @@ from torch import nn
 
 from meshformer.config.schema import ModelConfig
 from meshformer.dtypes import DTYPE
+from meshformer.models.attention import causal_attention
 
 
 class RMSNorm(nn.Module):
@@ -168,7 +169,7 @@ class Attention(nn.Module):
         if mask is not None:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
         elif cache is None or cache.pos == 0:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+            out = causal_attention(q, k, v)
         else:  # queries at positions pos..pos+s-1 see every cached key up to their own position
             q_pos = torch.arange(cache.pos, cache.pos + s, device=x.device)[:, None]
             mask = torch.arange(k.shape[2], device=x.device)[None, :] <= q_pos

@@ -1,0 +1,64 @@
+"""Causal attention in query blocks of plain matmuls: what a compiled CPU training step runs instead of SDPA.
+
+torch's CPU flash-attention kernel (what `F.scaled_dot_product_attention(is_causal=True)` runs on a CPU) reaches
+about a third of the matmul peak in fp32 and a tenth of it in bf16 (bench/cpu_kernels.py): its backward is a
+scalar-heavy loop, and it gains nothing from bf16. `blocked_causal_attention` computes the same attention in blocks
+of query rows with batched matmuls: block i's queries score against keys 0 .. end of block i only (the blocks above
+the diagonal are skipped, as flash skips them), the softmax runs in fp32 and its probabilities are rounded to the
+input dtype before they meet v, as flash rounds them. Inductor fuses each block's element-wise work (scale, mask,
+softmax and their backward) into a few kernels.
+
+`causal_attention` runs it under activation checkpointing: only q, k and v are kept for backward, which recomputes
+the blocks (no [seq, seq] scores survive the forward, and the compiled graph's partitioner cannot choose to keep
+them, as it does without the checkpoint). Forward + backward of the bench_vs_hf shape (8 x 8 heads x 256 x 64) on
+the AVX-512 BF16 EPYC: fp32 21.7 ms against flash's 24.8, bf16 14.8 against 28.3 (docs/benchmarks.md).
+
+GQA: the query heads that share a key/value head are stacked along the rows of one matmul ([groups * block,
+head_dim] against [keys, head_dim]): keys and values are never repeated.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+import torch.utils.checkpoint
+
+BLOCKED_ON_CPU = True  # False: SDPA everywhere (bench/cpu_kernels.py flips it to time both in one process)
+# At most this many query blocks: the loop unrolls into the compiled graph, whose size (and compile time) grows with
+# it; 16 blocks skip 47% of the score matmuls (flash's causal skipping reaches 50%).
+MAX_BLOCKS = 16
+MIN_BLOCK = 64  # fastest on the CPU measured: 32 leaves the matmuls too small, 128 skips fewer scores
+
+
+def blocked_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block: int = 0) -> torch.Tensor:
+    """q [b, heads, s, d], k and v [b, kv_heads, s, d] -> [b, heads, s, d] (laid out [b, s, heads, d], as the
+    flash kernel lays its output, so that merging the heads is a view); causal, scale 1/sqrt(d).
+    block: query rows per block (0: MIN_BLOCK, raised so that there are at most MAX_BLOCKS)."""
+    b, h, s, d = q.shape
+    kv = k.shape[1]
+    g = h // kv
+    block = block or max(MIN_BLOCK, -(-s // MAX_BLOCKS))
+    acc = torch.promote_types(q.dtype, torch.float32)
+    outs = []
+    for i0 in range(0, s, block):
+        i1 = min(i0 + block, s)
+        n = i1 - i0
+        rows = q[:, :, i0:i1].reshape(b, kv, g * n, d)  # the group's heads stacked: one matmul per kv head
+        scores = torch.matmul(rows, k[:, :, :i1].transpose(-1, -2)).to(acc) * (1.0 / math.sqrt(d))
+        allowed = torch.ones(n, i1, dtype=torch.bool, device=q.device).tril(i0)  # query i0 + r sees keys <= it
+        scores = scores.masked_fill(~allowed.repeat(g, 1), float("-inf"))
+        probs = torch.softmax(scores, -1).to(v.dtype)
+        outs.append(torch.matmul(probs, v[:, :, :i1]).reshape(b, h, n, d).transpose(1, 2))
+    return torch.cat(outs, 1).transpose(1, 2)
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal self-attention over whole rows (training, a prompt's prefill): q [b, heads, s, d], k and v
+    [b, kv_heads, s, d]. Compiled on a CPU: the blocked kernel above, checkpointed. Eager (its element-wise passes
+    over the scores are not fused there, and it is no faster than flash) and on GPUs (whose flash kernels are
+    fast): torch's SDPA."""
+    if BLOCKED_ON_CPU and q.device.type == "cpu" and torch.compiler.is_compiling() and type(q) is torch.Tensor:
+        return torch.utils.checkpoint.checkpoint(blocked_causal_attention, q, k, v, use_reentrant=False)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])

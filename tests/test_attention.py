@@ -1,0 +1,128 @@
+"""The blocked causal attention (models/attention.py) against torch's SDPA: exact gradients (gradcheck in float64),
+the same outputs and gradients as SDPA in fp32 and bf16, less kept memory than flash attention, and the dispatch
+that runs it only where it was measured faster (compiled, on a CPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import tiny_overrides
+from meshformer.models.attention import blocked_causal_attention, causal_attention
+
+
+def _qkv(b, heads, kv, s, d, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, heads, s, d, generator=g, dtype=torch.float64)
+    k = torch.randn(b, kv, s, d, generator=g, dtype=torch.float64)
+    v = torch.randn(b, kv, s, d, generator=g, dtype=torch.float64)
+    return [t.to(dtype).requires_grad_() for t in (q, k, v)]
+
+
+def _sdpa(q, k, v):
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+
+
+@pytest.mark.parametrize(
+    "heads,kv,s,block",
+    [(2, 2, 9, 3), (4, 2, 13, 4), (6, 2, 8, 8), (3, 1, 7, 2)],  # MHA, GQA, MQA; blocks that do not divide s
+)
+def test_gradients_are_exact_in_float64(heads, kv, s, block):
+    q, k, v = _qkv(2, heads, kv, s, 5, torch.float64)
+    assert torch.autograd.gradcheck(lambda q, k, v: blocked_causal_attention(q, k, v, block), (q, k, v))
+    torch.testing.assert_close(blocked_causal_attention(q, k, v, block), _sdpa(q, k, v), rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kv", [4, 2])
+def test_matches_sdpa_as_closely_as_sdpa_matches_float64(dtype, kv):
+    """Against a float64 reference, the kernel's output and gradients are within twice SDPA's own error (flash's
+    numerics: fp32 scores and softmax, probabilities rounded to the input dtype before they meet v)."""
+    q64, k64, v64 = _qkv(2, 4, kv, 192, 32, torch.float64, seed=1)
+    dout = torch.randn(2, 4, 192, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    ref = _sdpa(q64, k64, v64)
+    ref_grads = torch.autograd.grad(ref, (q64, k64, v64), dout)
+
+    def errors(fn):
+        q, k, v = [t.detach().to(dtype).requires_grad_() for t in (q64, k64, v64)]
+        out = fn(q, k, v)
+        grads = torch.autograd.grad(out, (q, k, v), dout.to(dtype))
+        return [(a.double() - b).abs().max().item() for a, b in zip((out, *grads), (ref, *ref_grads))]
+
+    ours, theirs = errors(lambda q, k, v: blocked_causal_attention(q, k, v, 64)), errors(_sdpa)
+    floor = 1e-6 if dtype == torch.float32 else 1e-2  # below it both are at the dtype's rounding
+    for name, a, b in zip(("out", "dq", "dk", "dv"), ours, theirs):
+        assert a <= max(2 * b, floor), (name, a, b)
+
+
+def _graph_targets(graphs) -> list[str]:
+    """Every call target in compiled graphs, checkpointed bodies included."""
+    modules = [m for g in graphs for m in g.modules() if isinstance(m, torch.fx.GraphModule)]
+    return [str(n.target) for m in modules for n in m.graph.nodes if n.op == "call_function"]
+
+
+def test_compiled_on_a_cpu_it_runs_blocked_and_keeps_less_than_flash():
+    """Compiled (Inductor, as the trainer compiles) on a CPU, causal_attention runs the blocked kernel under a
+    checkpoint: it keeps only q, k and v for backward, less than torch's flash kernel keeps (q, k, v, the output
+    and the log-sum-exp); no [seq, seq] scores survive the forward. Eager, it is SDPA. Both give the same values."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    def run(fn):
+        q, k, v = _qkv(2, 4, 2, 256, 16, torch.float32)
+        sizes = []
+
+        def pack(t):
+            sizes.append(t.untyped_storage().nbytes())
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = fn(q, k, v)
+        return out, torch.autograd.grad(out.square().sum(), (q, k, v)), sum(sizes)
+
+    eager, eager_grads, flash_bytes = run(causal_attention)
+    assert eager.grad_fn.name().startswith("ScaledDotProductFlashAttention")
+    counter = CompileCounterWithBackend("inductor")
+    torch._dynamo.reset()
+    compiled, grads, kept = run(torch.compile(causal_attention, backend=counter, fullgraph=True))
+    targets = _graph_targets(counter.graphs)
+    assert any("softmax" in t for t in targets) and not any("scaled_dot_product" in t for t in targets), targets
+    q_bytes = 2 * 4 * 256 * 16 * 4
+    assert kept <= q_bytes + 2 * (q_bytes // 2) < flash_bytes, (kept, flash_bytes)  # q (4 heads), k and v (2)
+    torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-6)
+    for a, b in zip(grads, eager_grads):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_compiled_training_with_selective_recompute_matches_eager(tiny_dataset, tmp_path, monkeypatch):
+    """Compiled on a CPU the decoder layers run the blocked kernel (GQA here: 4 heads on 2 kv heads, seq 80 in two
+    blocks) under its checkpoint, nested in selective recompute's: training reaches the eager (SDPA) run's losses.
+    (No recompute and full recompute, compiled, are in the parallel parity suite: fsdp2:compiled,
+    dp2_rc_accum:compiled.)"""
+    import json
+
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    from meshformer.config import load_config
+    from meshformer.train.trainer import run_training
+
+    def losses(name, extra):
+        out = tmp_path / name
+        base = {"model.model_config.seq_length": 80, "runner_config.stop_step": 3, "train_dataset.batch_size": 2}
+        run_training(load_config(None, tiny_overrides(tiny_dataset, out, {**base, **extra})))
+        recs = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        return [r["loss"] for r in recs if "loss" in r]
+
+    eager = losses("eager", {"compile": False})
+    real_compile = torch.compile
+    for i, rc in enumerate(({"recompute_config.select_recompute": True},)):
+        torch._dynamo.reset()  # a graph cached by the previous run would be reused without tracing the kernel
+        counter = CompileCounterWithBackend("inductor")  # Inductor, as the trainer compiles, recording the graphs
+        monkeypatch.setattr(torch, "compile", lambda fn=None, c=counter, **kw: real_compile(fn, **{**kw, "backend": c}))
+        compiled = losses(f"compiled_{i}", {"compile": True, **rc})
+        targets = _graph_targets(counter.graphs)  # layers and loss compiled, the layers through the blocked kernel
+        assert counter.frame_count >= 2 and any("softmax" in t for t in targets), rc
+        assert not any("scaled_dot_product" in t for t in targets), rc
+        assert len(compiled) == 3, compiled
+        for e, c in zip(eager, compiled):
+            assert abs(c - e) < 1e-4 * e, (rc, eager, compiled)
