@@ -208,17 +208,14 @@ def test_two_nodes_on_one_machine_match_single_node(results4, tmp_path):
 # ---- the planner against the memory these layouts measured ---------------------------------------------------
 
 
-SPLIT_BACKWARD = ("interleaved_zero_bubble", "zbv_zero_bubble", "dualpipev")  # with recompute: not modelled yet
-
-
 def test_planner_predicts_every_layout(results2, results4, results8):
     """Every rank of every layout above (dp, tp +- sequence parallel, FSDP, HSDP, pipelines under GPipe, 1F1B,
     interleaved 1F1B and looped BFS, their 2-D and 3-D combinations; recompute, accumulation; LoRA, bf16, tied,
     packed rows): the planner's parameters, gradients and optimizer states within 2% of the bytes the rank held,
     its saved activations within 10% of the measured peak (tests/test_memory.py: the same for one process).
-    Schedules that split the backward (zero bubble, ZBV, DualPipeV) are held too, the part of each micro-batch
-    that outlives its weight step included; with recompute they keep more than the planner replays yet
-    (docs/memory.md): those are left out."""
+    Schedules that split the backward (zero bubble, ZBV, DualPipeV) are held too, with and without recompute: the
+    part of each micro-batch that outlives its weight step, and the input gradients the V hands between its two
+    middle stages, included."""
     from meshformer.parallel.dims import ParallelDims
     from meshformer.planner.memory import plan_memory
     from test_memory import compare
@@ -228,8 +225,7 @@ def test_planner_predicts_every_layout(results2, results4, results8):
         for key, measured in sorted(results.items()):
             case, variant, *memory = key.split(":")
             overrides = harness.CASES[case][0]
-            split = overrides.get(harness.P + "pipeline_schedule") in SPLIT_BACKWARD
-            if not memory or (split and overrides.get("recompute_config.recompute")):
+            if not memory:
                 continue
             cfg = harness.make_cfg({**harness.VARIANTS[variant], **overrides})
             dims = ParallelDims.from_config(cfg, world)

@@ -39,6 +39,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from meshformer.config.schema import MeshformerConfig, ModelConfig
+from meshformer.config.validate import V_SCHEDULES
 from meshformer.dtypes import DTYPE
 from meshformer.parallel.dims import ParallelDims
 
@@ -364,6 +365,10 @@ def stage_memory(
         live = sum(k * (per_stage[s] - buffer[s]) for s in per_stage)
         host = k * sum(swap_host.values())
     activations = live + (n_micro * sum(buffer.values()) if dims.pp > 1 else 0)
+    if dims.pp > 1 and pc.pipeline_schedule in V_SCHEDULES and pp_rank == dims.pp - 1:
+        # The V's turn: stage pp hands its input gradient to stage pp - 1 on the same rank, and torch keeps each
+        # micro-batch's (stage.set_local_bwd_input: grad_recv_info[mb].buffer, never cleared) past the step's end.
+        activations += n_micro * layer_input
     if autocast and not gathered_low:
         activations += matmul * dt["compute"]  # autocast's low-precision weight copies, one per autocast region
     return StageMemory(pp_rank, layers, params, grads, optim, activations, k, largest, host)
