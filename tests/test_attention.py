@@ -34,6 +34,21 @@ def test_gradients_are_exact_in_float64(heads, kv, s, block):
     torch.testing.assert_close(blocked_causal_attention(q, k, v, block), _sdpa(q, k, v), rtol=0, atol=1e-12)
 
 
+def test_packed_documents_mask_is_exact_in_float64():
+    """Packed rows (several documents per row, llama.document_layout's causal mask): the same values as SDPA with
+    that mask, and exact gradients; GQA, blocks that cut documents."""
+    from meshformer.models.llama import document_layout
+
+    documents = torch.tensor([[0] * 5 + [1] * 4 + [2] * 4, [0] * 2 + [1] * 11])
+    _, mask = document_layout(2, 13, documents, None, "cpu")
+    q, k, v = _qkv(2, 4, 2, 13, 5, torch.float64)
+    fn = lambda q, k, v: blocked_causal_attention(q, k, v, 4, mask)  # noqa: E731
+    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    torch.testing.assert_close(fn(q, k, v), ref, rtol=0, atol=1e-12)
+    assert torch.autograd.gradcheck(fn, (q, k, v))
+    assert not torch.allclose(ref, _sdpa(q, k, v))  # the mask matters here
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("kv", [4, 2])
 def test_matches_sdpa_as_closely_as_sdpa_matches_float64(dtype, kv):

@@ -14,7 +14,8 @@ them, as it does without the checkpoint). Forward + backward of the bench_vs_hf 
 the AVX-512 BF16 EPYC: fp32 21.7 ms against flash's 24.8, bf16 14.8 against 28.3 (docs/benchmarks.md).
 
 GQA: the query heads that share a key/value head are stacked along the rows of one matmul ([groups * block,
-head_dim] against [keys, head_dim]): keys and values are never repeated.
+head_dim] against [keys, head_dim]): keys and values are never repeated. Packed rows (SFT packing) pass their
+document mask, which replaces the causal one block by block.
 """
 
 from __future__ import annotations
@@ -32,10 +33,14 @@ MAX_BLOCKS = 16
 MIN_BLOCK = 64  # fastest on the CPU measured: 32 leaves the matmuls too small, 128 skips fewer scores
 
 
-def blocked_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block: int = 0) -> torch.Tensor:
+def blocked_causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block: int = 0, mask: torch.Tensor | None = None
+) -> torch.Tensor:
     """q [b, heads, s, d], k and v [b, kv_heads, s, d] -> [b, heads, s, d] (laid out [b, s, heads, d], as the
     flash kernel lays its output, so that merging the heads is a view); causal, scale 1/sqrt(d).
-    block: query rows per block (0: MIN_BLOCK, raised so that there are at most MAX_BLOCKS)."""
+    block: query rows per block (0: MIN_BLOCK, raised so that there are at most MAX_BLOCKS).
+    mask: [b, 1, s, s], True where a query may attend (packed documents: `llama.document_layout`); it must be
+    causal itself, since the keys after each block are skipped."""
     b, h, s, d = q.shape
     kv = k.shape[1]
     g = h // kv
@@ -47,18 +52,24 @@ def blocked_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
         n = i1 - i0
         rows = q[:, :, i0:i1].reshape(b, kv, g * n, d)  # the group's heads stacked: one matmul per kv head
         scores = torch.matmul(rows, k[:, :, :i1].transpose(-1, -2)).to(acc) * (1.0 / math.sqrt(d))
-        allowed = torch.ones(n, i1, dtype=torch.bool, device=q.device).tril(i0)  # query i0 + r sees keys <= it
-        scores = scores.masked_fill(~allowed.repeat(g, 1), float("-inf"))
+        if mask is None:
+            allowed = torch.ones(n, i1, dtype=torch.bool, device=q.device).tril(i0).repeat(g, 1)  # keys <= query
+        else:
+            allowed = mask[:, :, i0:i1, :i1].repeat(1, 1, g, 1)  # the group's rows: the same mask each
+        scores = scores.masked_fill(~allowed, float("-inf"))
         probs = torch.softmax(scores, -1).to(v.dtype)
         outs.append(torch.matmul(probs, v[:, :, :i1]).reshape(b, h, n, d).transpose(1, 2))
     return torch.cat(outs, 1).transpose(1, 2)
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None):
     """Causal self-attention over whole rows (training, a prompt's prefill): q [b, heads, s, d], k and v
-    [b, kv_heads, s, d]. Compiled on a CPU: the blocked kernel above, checkpointed. Eager (its element-wise passes
-    over the scores are not fused there, and it is no faster than flash) and on GPUs (whose flash kernels are
-    fast): torch's SDPA."""
+    [b, kv_heads, s, d]; mask: a causal [b, 1, s, s] (packed documents) or None. Compiled on a CPU: the blocked
+    kernel above, checkpointed. Eager (its element-wise passes over the scores are not fused there, and it is no
+    faster than flash) and on GPUs (whose flash kernels are fast): torch's SDPA."""
     if BLOCKED_ON_CPU and q.device.type == "cpu" and torch.compiler.is_compiling() and type(q) is torch.Tensor:
-        return torch.utils.checkpoint.checkpoint(blocked_causal_attention, q, k, v, use_reentrant=False)
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+        return torch.utils.checkpoint.checkpoint(blocked_causal_attention, q, k, v, 0, mask, use_reentrant=False)
+    gqa = q.shape[1] != k.shape[1]
+    if mask is not None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)

@@ -166,10 +166,10 @@ class Attention(nn.Module):
         if cache is not None:
             k, v = cache.update(layer_idx, k, v)
         gqa = q.shape[1] != k.shape[1]
-        if mask is not None:
+        if cache is None or (cache.pos == 0 and mask is None):  # training, a prompt's prefill
+            out = causal_attention(q, k, v, mask)
+        elif mask is not None:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
-        elif cache is None or cache.pos == 0:
-            out = causal_attention(q, k, v)
         else:  # queries at positions pos..pos+s-1 see every cached key up to their own position
             q_pos = torch.arange(cache.pos, cache.pos + s, device=x.device)[:, None]
             mask = torch.arange(k.shape[2], device=x.device)[None, :] <= q_pos
