@@ -84,3 +84,93 @@ def test_layer_decay_scales_lower_layers_down():
     for g in opt.param_groups:
         assert g["lr"] == pytest.approx(Schedule(opt, cfg, 10).lr(5) * g["lr_scale"])
     assert isinstance(opt, torch.optim.AdamW)
+
+
+# ---- the step's update without a host read (train/step.py) ---------------------------------------------------
+
+
+def _trainer_parts(extra=()):
+    from meshformer.parallel import init_parallel
+    from meshformer.train.optim import Optimizers
+    from meshformer.train.step import build_parts
+
+    cfg = load_config(
+        None, [*TINY, "--runner_wrapper.use_clip_grad", "true", "--runner_wrapper.max_grad_norm", "0.5", *extra]
+    )
+    env = init_parallel(cfg, world_size=1)
+    parts = build_parts(cfg, env).parts
+    return cfg, env, parts, Optimizers(parts.parts, cfg)
+
+
+def _step(cfg, env, parts, opt, batch, poison=False):
+    from meshformer.train.step import clip_threshold, train_step
+
+    real = parts.forward_backward
+
+    def poisoned(*a, **kw):  # gradients as an overflow or a bad sample leaves them
+        out = real(*a, **kw)
+        for p in parts.parameters():
+            p.grad.fill_(math.nan)
+        return out
+
+    if poison:
+        parts.forward_backward = poisoned
+    try:
+        return train_step(
+            parts,
+            opt,
+            env,
+            batch[:, :-1],
+            batch[:, 1:],
+            n_micro=1,
+            ignore_index=-100,
+            max_grad_norm=clip_threshold(cfg),
+        )
+    finally:
+        if poison:
+            del parts.forward_backward
+
+
+def test_a_non_finite_step_is_skipped_on_the_device_exactly():
+    """Fused AdamW skips a non-finite step on the device (found_inf): the run then equals, bit for bit, one that
+    never saw that step (weights, both moments and Adam's step count), clipping included."""
+    torch.manual_seed(0)
+    batches = [torch.randint(0, 32, (4, 9)) for _ in range(3)]
+    a, b = _trainer_parts(), _trainer_parts()
+    assert a[3].skips_on_device(a[1].device)
+    _step(*a, batches[0]), _step(*b, batches[0])
+    skipped = _step(*a, batches[1], poison=True)
+    assert skipped.skipped and not math.isfinite(skipped.grad_norm)
+    _step(*a, batches[2]), _step(*b, batches[2])
+    for (name, pa), pb in zip(a[2].parts[0].named_parameters(), b[2].parts[0].parameters()):
+        assert torch.equal(pa, pb), name
+    states_a, states_b = a[3].state_tensors(), b[3].state_tensors()
+    assert len(states_a) == len(states_b) > 0 and all(torch.equal(x, y) for x, y in zip(states_a, states_b))
+
+
+def test_no_host_read_between_backward_and_the_update(monkeypatch):
+    """Nothing is read back from the device between the end of backward and the optimizer step (a GPU would sit
+    idle while the host waits): the loss, the norm and the skip flag are read once, after the update is queued.
+    With foreach AdamW (no device skip) the host decides, and reads first."""
+    events = []
+    real_item, real_float, real_bool = torch.Tensor.item, torch.Tensor.__float__, torch.Tensor.__bool__
+    monkeypatch.setattr(torch.Tensor, "item", lambda t: events.append("read") or real_item(t))
+    monkeypatch.setattr(torch.Tensor, "__float__", lambda t: events.append("read") or real_float(t))
+    monkeypatch.setattr(torch.Tensor, "__bool__", lambda t: events.append("read") or real_bool(t))
+    real_step = torch.optim.AdamW.step
+    monkeypatch.setattr(torch.optim.AdamW, "step", lambda self, *a, **k: events.append("update") or real_step(self))
+    for extra, device_skip in (((), True), (("--optimizer.fused", "false"), False)):
+        cfg, env, parts, opt = _trainer_parts(extra)
+        real_fb = parts.forward_backward
+
+        def marked(*a, real_fb=real_fb, **k):
+            out = real_fb(*a, **k)
+            events.append("backward done")
+            return out
+
+        parts.forward_backward = marked
+        events.clear()
+        _step(cfg, env, parts, opt, torch.randint(0, 32, (4, 9)))
+        between = events[events.index("backward done") + 1 : events.index("update")]
+        assert ("read" not in between) == device_skip, (extra, events)
+        assert "read" in events[events.index("update") :] or not device_skip

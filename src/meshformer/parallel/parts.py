@@ -119,14 +119,16 @@ class ModelParts:
             torch._foreach_mul_(grads, factor)
 
     def clip_grad_norm_(self, max_norm: float | None) -> torch.Tensor:
-        """Global L2 norm of all gradients; clips them in place when max_norm is given (torch's formula)."""
+        """Global L2 norm of all gradients; clips them in place when max_norm is given (torch's formula). Nothing
+        is read back: the coefficient stays a device scalar (torch.nn.utils.clip_grads_with_norm_ does the same),
+        so the host queues the optimizer step without waiting for backward to finish."""
         groups = _grad_groups(self.parameters())
         total = self.grad_norm(groups)
         if max_norm is not None:
-            coef = float(max_norm) / (float(total) + 1e-6)
-            if coef < 1.0:
-                for grads in groups.values():
-                    torch._foreach_mul_(grads, coef)
+            coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+            for grads in groups.values():
+                local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]  # shards: views, in place
+                torch._foreach_mul_(local, coef.to(local[0].device))
         return total
 
 

@@ -78,9 +78,26 @@ class Optimizers:
     def param_groups(self) -> list[dict]:
         return [g for o in self.items for g in o.param_groups]
 
-    def step(self) -> None:
+    def skips_on_device(self, device: torch.device) -> bool:
+        """Every optimizer is fused with its parameters on `device`: torch's fused kernels then take a `found_inf`
+        flag and skip the update on the device (the Adam step counts are restored), so a step whose gradients may
+        be non-finite needs no host read before it (GradScaler drives them the same way). Not with parameters
+        offloaded to the host (cpu_offload): the flag would have to travel there first."""
+        return all(
+            g["fused"] and all(_local(p).device == device for p in g["params"])
+            for o in self.items
+            for g in o.param_groups
+        )
+
+    def step(self, found_inf: torch.Tensor | None = None) -> None:
+        """found_inf: a float device scalar, nonzero to skip the update (only where skips_on_device)."""
         for o in self.items:
-            o.step()
+            if found_inf is not None:
+                o.found_inf = found_inf
+            try:
+                o.step()
+            finally:
+                o.__dict__.pop("found_inf", None)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for o in self.items:

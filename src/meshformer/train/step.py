@@ -114,17 +114,29 @@ def train_step(
         lap("fwd_bwd")
     if loss_scale != 1.0:
         parts.scale_grads_(1.0 / loss_scale)
-    loss = (env.all_reduce_sum_dp(loss_sum.to(torch.float64)) / n_tok).item()
+    loss_t = env.all_reduce_sum_dp(loss_sum.to(torch.float64)) / n_tok
     lap("other")
-    grad_norm = float(parts.clip_grad_norm_(max_grad_norm))
-    finite = math.isfinite(loss) and math.isfinite(grad_norm)
-    if env.pp_size > 1:  # the loss exists on the last stage only; the grad norm is already global
-        finite = env.all_ok(finite)
-    if finite:
-        optimizer.step()
+    norm_t = parts.clip_grad_norm_(max_grad_norm)
+    if optimizer.skips_on_device(env.device):
+        # Decided on the device: the host queues the update without waiting for backward, and reads the loss and
+        # the norm once, after it (a GPU keeps computing meanwhile).
+        bad = (~torch.isfinite(loss_t)).to(torch.float32) + (~torch.isfinite(norm_t)).to(torch.float32)
+        bad = env.all_reduce_sum_pp(bad)  # the loss exists on the last stage only; the norm is already global
+        optimizer.step(found_inf=(bad > 0).to(torch.float32))
         if after_update is not None:
             after_update()
-    optimizer.zero_grad(set_to_none=True)
+        optimizer.zero_grad(set_to_none=True)
+        loss, grad_norm, finite = loss_t.item(), norm_t.item(), not bad.item()
+    else:  # foreach AdamW or host-offloaded states: the step is skipped on the host
+        loss, grad_norm = loss_t.item(), norm_t.item()
+        finite = math.isfinite(loss) and math.isfinite(grad_norm)
+        if env.pp_size > 1:  # the loss exists on the last stage only; the grad norm is already global
+            finite = env.all_ok(finite)
+        if finite:
+            optimizer.step()
+            if after_update is not None:
+                after_update()
+        optimizer.zero_grad(set_to_none=True)
     lap("optim")
     return StepResult(loss, grad_norm, float(n_tok), skipped=not finite)  # n_tok: read after the loss, no wait
 
