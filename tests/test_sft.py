@@ -118,5 +118,8 @@ def test_a_hundred_sample_overfit_drives_the_loss_to_zero(tmp_path, tok_dir):
         "optimizer.warmup_steps": 10,
         "lr_schedule.type": "constant",
     }
-    last = run_training(load_config(None, tiny_overrides(data, tmp_path / "run", extra)))
-    assert last["loss"] < 0.05, last["loss"]
+    run_training(load_config(None, tiny_overrides(data, tmp_path / "run", extra)))
+    losses = [json.loads(line)["loss"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    # The median of the last ten steps: a single step's loss wanders by ±0.03 around it here, and the rounding of
+    # any one kernel (the clip coefficient's, say) moves where the last step lands in that band.
+    assert losses[0] > 3 and sorted(losses[-10:])[5] < 0.05, (losses[0], losses[-10:])
