@@ -73,6 +73,7 @@ class Optimizers:
 
     def __init__(self, parts, cfg: MeshformerConfig):
         self.items = [build_optimizer(p.named_parameters(), cfg) for p in parts]
+        self._skips_on: dict[torch.device, bool] = {}  # skips_on_device, asked every step: parameters stay put
 
     @property
     def param_groups(self) -> list[dict]:
@@ -83,11 +84,13 @@ class Optimizers:
         flag and skip the update on the device (the Adam step counts are restored), so a step whose gradients may
         be non-finite needs no host read before it (GradScaler drives them the same way). Not with parameters
         offloaded to the host (cpu_offload): the flag would have to travel there first."""
-        return all(
-            g["fused"] and all(_local(p).device == device for p in g["params"])
-            for o in self.items
-            for g in o.param_groups
-        )
+        if device not in self._skips_on:
+            self._skips_on[device] = all(
+                g["fused"] and all(_local(p).device == device for p in g["params"])
+                for o in self.items
+                for g in o.param_groups
+            )
+        return self._skips_on[device]
 
     def step(self, found_inf: torch.Tensor | None = None) -> None:
         """found_inf: a float device scalar, nonzero to skip the update (only where skips_on_device)."""
