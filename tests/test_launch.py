@@ -203,10 +203,16 @@ def _compare_metrics(got: list[dict], ref: list[dict], keys=("loss", "grad_norm"
                 assert rel(g[key], r[key]) <= FP32_RTOL, (key, g, r)
 
 
-def _train_in_one_process(tmp_path: Path, overrides: list[str]) -> subprocess.CompletedProcess:
-    """`meshformer train` on the empty config with these overrides, one process, as a user runs it."""
-    cmd = [sys.executable, "-m", "meshformer", "train", str(_empty_yaml(tmp_path)), *overrides]
-    return subprocess.run(cmd, capture_output=True, text=True, env=torchrun_env(), timeout=300)
+ONE_PROCESS = (sys.executable, "-m", "meshformer", "train")
+
+
+def _meshformer_ok(tmp_path: Path, overrides: list[str], via=ONE_PROCESS, timeout=300) -> subprocess.CompletedProcess:
+    """`<via> <the empty config> <overrides>` as a user runs it (one process, `meshformer launch` or torchrun);
+    it must succeed."""
+    cmd = [*via, str(_empty_yaml(tmp_path)), *overrides]
+    p = subprocess.run(cmd, capture_output=True, text=True, env=torchrun_env(), timeout=timeout)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+    return p
 
 
 def test_cli_train_under_torchrun_matches_single_process(tiny_dataset, tmp_path):
@@ -228,8 +234,7 @@ def test_cli_train_under_torchrun_matches_single_process(tiny_dataset, tmp_path)
         tmp_path / "one",
         {**common, "runner_config.gradient_accumulation_steps": 4, "runner_config.stop_step": 8},
     )
-    p = _train_in_one_process(tmp_path, single)
-    assert p.returncode == 0, p.stderr[-3000:]
+    _meshformer_ok(tmp_path, single)
     ref = _metrics(tmp_path / "one")
     assert len(ref) == 8 and "eval_loss" in ref[4] and "eval_loss" in ref[7]
 
@@ -246,14 +251,7 @@ def test_cli_train_under_torchrun_matches_single_process(tiny_dataset, tmp_path)
             "parallel_config.pp_interleave_num": 2,
         },
     )
-    p = subprocess.run(
-        [sys.executable, "-m", "meshformer", "launch", "--nproc", "2", str(_empty_yaml(tmp_path)), *pp],
-        capture_output=True,
-        text=True,
-        env=torchrun_env(),
-        timeout=300,
-    )
-    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+    _meshformer_ok(tmp_path, pp, via=(sys.executable, "-m", "meshformer", "launch", "--nproc", "2"))
     _compare_metrics(_metrics(tmp_path / "pp"), ref[:5])
     assert (tmp_path / "pp" / "checkpoint" / "step_00000005" / "trainer_state.json").is_file()
 
@@ -270,24 +268,9 @@ def test_cli_train_under_torchrun_matches_single_process(tiny_dataset, tmp_path)
             "runner_config.gradient_accumulation_steps": 2,
         },
     )
-    p = subprocess.run(
-        [
-            *TORCHRUN,
-            "--standalone",
-            "--nproc-per-node",
-            "4",
-            "-m",
-            "meshformer",
-            "train",
-            str(_empty_yaml(tmp_path)),
-            *ft,
-        ],
-        capture_output=True,
-        text=True,
-        env=torchrun_env(),
-        timeout=400,
+    _meshformer_ok(
+        tmp_path, ft, via=(*TORCHRUN, "--standalone", "--nproc-per-node", "4", "-m", "meshformer", "train"), timeout=400
     )
-    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
     _compare_metrics(_metrics(tmp_path / "ft"), ref[:5])
 
     # Resume the 4-process FSDP x TP checkpoint (step 5) in one process: DCP reshards weights and optimizer.
@@ -301,8 +284,7 @@ def test_cli_train_under_torchrun_matches_single_process(tiny_dataset, tmp_path)
             "resume_training": "true",
         },
     )
-    p = _train_in_one_process(tmp_path, resumed)
-    assert p.returncode == 0, p.stderr[-3000:]
+    p = _meshformer_ok(tmp_path, resumed)
     assert "resumed from" in p.stdout and "step_00000005" in p.stdout
     _compare_metrics(_metrics(tmp_path / "ft"), ref)
 
