@@ -85,6 +85,27 @@ def test_rotary_matches_complex_pair_rotation():
     assert not torch.allclose(dot(7, 3), dot(7, 4))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_is_rotate_half_bit_for_bit(dtype):
+    """apply_rotary's swapped-halves form gives the textbook rotate-half values and gradients exactly."""
+    mc = tiny(hidden_size=64, num_heads=4, seq_length=12)
+    cos, sin = rope_cos_sin(mc, torch.arange(12), torch.float32)
+    x = torch.randn(2, 3, 12, 16, dtype=dtype, requires_grad=True)
+    g = torch.randn(2, 3, 12, 16, dtype=dtype)
+
+    def rotate_half(t):  # the former implementation
+        tc = t.to(torch.float32)
+        t1, t2 = tc.chunk(2, dim=-1)
+        return (tc * cos + torch.cat([-t2, t1], dim=-1) * sin).to(t.dtype)
+
+    got = apply_rotary(x, cos, sin)
+    (gx,) = torch.autograd.grad(got, x, g)
+    want = rotate_half(x)
+    (wx,) = torch.autograd.grad(want, x, g)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    torch.testing.assert_close(gx, wx, rtol=0, atol=0)
+
+
 def test_llama3_rope_scaling_matches_transformers():
     from transformers import LlamaConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS

@@ -70,11 +70,18 @@ def rope_cos_sin(mc: ModelConfig, positions: torch.Tensor, dtype: torch.dtype) -
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [batch, heads, seq, head_dim]; rotate-half formulation, computed in the tables' dtype."""
+    """x: [batch, heads, seq, head_dim]; rotate-half formulation, computed in the tables' dtype.
+
+    x * cos + cat([-x2, x1]) * sin, written as the halves swapped (a flip over an axis of two) times sin with its
+    first half negated: the same products bit for bit, but without the cat Inductor's backward fuses into one
+    pass, where the cat's gradient (two slices padded back to full width) left fp32 intermediates per layer
+    (measured: the compiled bf16 step 5% faster on a CPU, docs/benchmarks.md).
+    """
     xc = x.to(cos.dtype)
-    x1, x2 = xc.chunk(2, dim=-1)
-    rotated = torch.cat([-x2, x1], dim=-1)
-    return (xc * cos + rotated * sin).to(x.dtype)
+    half = x.shape[-1] // 2
+    signed_sin = torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
+    swapped = xc.unflatten(-1, (2, half)).flip(-2).flatten(-2)
+    return (xc * cos + swapped * signed_sin).to(x.dtype)
 
 
 class RopeTables(nn.Module):
