@@ -473,6 +473,11 @@ class MeshformerConfig:
         "and on CPUs for runs of at least 100 TFLOP per process (compiling costs 25-60 s there).",
         choices=(True, False, "auto"),
     )
+    retain_host_memory: bool = setting(
+        True,
+        "CPU runs: keep the memory a step frees in the process (glibc malloc never trims, 256 MiB top pad) instead "
+        "of page-faulting it back every step (-6% bf16 step time measured).",
+    )
     optimizer: OptimizerConfig = setting(OptimizerConfig, "Optimizer and its hyper-parameters.")
     lr_schedule: LrScheduleConfig = setting(LrScheduleConfig, "Learning-rate schedule.")
     runner_config: RunnerConfig = setting(RunnerConfig, "Run length and accumulation.")

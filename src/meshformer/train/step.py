@@ -27,6 +27,7 @@ from meshformer.models import build_model, materialize
 from meshformer.models.transforms import ModelTransform, apply_model_transforms
 from meshformer.parallel import ModelParts, ParallelEnv, parallelize
 from meshformer.planner.throughput import flops_per_token
+from meshformer.train.host_memory import retain_freed_host_memory
 from meshformer.train.optim import Optimizers
 
 
@@ -57,8 +58,11 @@ def build_parts(
     run_tokens: int | None = None,
 ) -> BuiltModel:
     """build_model -> model transforms -> parallelize -> materialize: the one way a run gets its model. `run_tokens`
-    (the tokens the whole run trains on) lets `compile: auto` judge whether compiling pays on a CPU."""
+    (the tokens the whole run trains on) lets `compile: auto` judge whether compiling pays on a CPU. A CPU run also
+    keeps the host memory its steps free (`retain_host_memory`, train/host_memory.py)."""
     mc = cfg.model.model_config
+    if cfg.retain_host_memory and env.device.type == "cpu":
+        retain_freed_host_memory()
     model = build_model(mc)
     applied = apply_model_transforms(model, cfg, transforms)
     run_flops = None if run_tokens is None else run_tokens * flops_per_token(cfg)
