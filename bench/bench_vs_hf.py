@@ -262,6 +262,8 @@ def main(argv=None) -> int:
         f"torch {torch.__version__}, transformers {transformers.__version__}, {torch.get_num_threads()} threads, "
         f"dtype {a.dtype}" + (" (autocast bf16, fp32 master weights)" if autocast_dtype else "")
     )
+    if cfg.retain_host_memory:  # build_parts tuned this process's malloc (train/host_memory.py)
+        print("host memory retained (retain_host_memory): process-wide, so the HF side runs with it too")
     print(
         f"model: hidden {a.hidden}, {a.layers} layers, {a.heads} heads / {a.kv_heads} kv, ffn {a.ffn}, vocab "
         f"{a.vocab}, seq {a.seq}, batch {a.batch}: {n_params / 1e6:.2f}M parameters (HF {n_hf / 1e6:.2f}M)"
