@@ -85,6 +85,13 @@ def parse_args(argv=None):
     p.add_argument("--peak-flops", type=float, default=0.0, help="peak FLOP/s for MFU (0: time a matmul)")
     p.add_argument("--profile", type=int, default=0, help="after timing, profile this many steps per side")
     p.add_argument("--only", choices=("both", "meshformer", "hf"), default="both")
+    p.add_argument(
+        "--hf-host-memory",
+        choices=("default", "retained"),
+        default="default",
+        help="HF side's malloc: glibc's settled defaults (as a process of its own runs), or meshformer's retained "
+        "host memory (train/host_memory.py)",
+    )
     return p.parse_args(argv)
 
 
@@ -250,6 +257,7 @@ def main(argv=None) -> int:
     torch.manual_seed(a.seed)
     import transformers
 
+    from meshformer.train.host_memory import GLIBC_SETTLED, RETAINED, set_malloc
     from meshformer.train.metrics import flops_per_token
 
     cfg, env, parts, mf_opt, n_params, n_emb = build_meshformer(a)
@@ -263,7 +271,10 @@ def main(argv=None) -> int:
         f"dtype {a.dtype}" + (" (autocast bf16, fp32 master weights)" if autocast_dtype else "")
     )
     if cfg.retain_host_memory:  # build_parts tuned this process's malloc (train/host_memory.py)
-        print("host memory retained (retain_host_memory): process-wide, so the HF side runs with it too")
+        print(
+            "host memory: meshformer's rounds retain it (retain_host_memory); HF's rounds run with "
+            + ("it too (--hf-host-memory retained)" if a.hf_host_memory == "retained" else "glibc's settled defaults")
+        )
     print(
         f"model: hidden {a.hidden}, {a.layers} layers, {a.heads} heads / {a.kv_heads} kv, ffn {a.ffn}, vocab "
         f"{a.vocab}, seq {a.seq}, batch {a.batch}: {n_params / 1e6:.2f}M parameters (HF {n_hf / 1e6:.2f}M)"
@@ -294,6 +305,10 @@ def main(argv=None) -> int:
         "meshformer": lambda t: meshformer_step(cfg, env, parts, mf_opt, t),
         "HF": lambda t: hf_step(hf, hf_opt, t, autocast_dtype, a.max_grad_norm),
     }
+    # malloc settings per side (train/host_memory.py): each side runs as its users' processes do.
+    malloc = {"meshformer": RETAINED if cfg.retain_host_memory else GLIBC_SETTLED, "HF": GLIBC_SETTLED}
+    if a.hf_host_memory == "retained":
+        malloc["HF"] = malloc["meshformer"]
     if a.only == "meshformer":
         sides.pop("HF")
     elif a.only == "hf":
@@ -304,6 +319,7 @@ def main(argv=None) -> int:
     while step < total:
         chunk = range(step, min(total, step + a.round))
         for name, fn in sides.items():
+            set_malloc(malloc[name])
             for i in chunk:
                 t0 = time.perf_counter()
                 losses[name].append(fn(data[i]))
@@ -342,6 +358,7 @@ def main(argv=None) -> int:
     if a.profile:
         it = iter(range(10**9))
         for name, fn in sides.items():
+            set_malloc(malloc[name])
             profile_steps(name, lambda fn=fn: fn(data[next(it) % total]), a.profile)
     return 0
 
