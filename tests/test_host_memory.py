@@ -55,6 +55,8 @@ def churn(mode: str) -> dict:
 def test_freed_buffers_come_back_without_page_faults_and_the_process_does_not_grow():
     default, retain, settled = churn("default"), churn("retain"), churn("settled")
     pages = (3 * (48 << 20) + 8 * (4 << 20)) // 4096  # one round's buffers, in 4 KiB pages
+    if default["step_faults"][0] < pages // 2:  # the first round touches fresh memory wherever faults are counted
+        pytest.skip(f"this kernel does not report minor page faults to getrusage: {default}")
     # glibc's defaults hand the round's memory back and fault it in again every round (so do the settled ones) ...
     assert min(default["step_faults"][3:]) > pages // 2, default
     assert min(settled["step_faults"][3:]) > pages // 2, settled
