@@ -3,14 +3,14 @@
 A step frees and re-allocates the same activation, gradient and logits buffers every time. glibc's malloc hands
 large blocks back to the kernel: blocks above its mmap threshold are unmapped on free, and the heap's top is
 trimmed once more than its trim threshold lies free there. The next step touches that memory again, and every
-4 KiB page costs a fault and a zero-fill. On the benchmark model (bench/bench_vs_hf.py, bf16) that was 49,000-
+4 KiB page costs a fault and a zero-fill. On the benchmark model (bench/bench_vs_hf.py, bf16) that was 48,000-
 75,000 faults a step; alternating the two settings step by step in one process: 0.842 s against 0.788 s (-6%),
 fp32 2.369 against 2.332 s (docs/benchmarks.md).
 
 What changes, and why no more:
 - the heap's top is never trimmed (`M_TRIM_THRESHOLD` = SIZE_MAX: mallopt's int -1 becomes glibc's size_t), so
-  freed memory stays resident and is reused. Peak RSS is unchanged: the heap reaches the same extent as before,
-  it only stops shrinking between steps;
+  freed memory stays resident and is reused. The heap stops shrinking between steps but grows no further than a
+  step's peak needs (the benchmark model's peak RSS: 1.21-1.26 GB with and without);
 - the mmap threshold is fixed at 32 MiB, glibc's own ceiling for it (its dynamic threshold climbs there once
   such blocks are freed): larger blocks come from the retained top when it has room, else they are mapped as
   before, never by growing the heap;
