@@ -132,6 +132,8 @@ def build_meshformer(a):
     # The trainer's build (model, transforms, parallelize, materialize), told the run's length as the trainer tells it.
     built = build_parts(cfg, env, run_tokens=a.run_steps * a.batch * a.seq)
     print(built.parts.compile_note + f" [a run of {a.run_steps} steps: --run-steps]")
+    if built.matmul_note:
+        print(built.matmul_note)
     n_params = sum(p.numel() for p in built.model.parameters())
     n_embedding = built.model.embed_tokens.weight.numel()
     parts = built.parts

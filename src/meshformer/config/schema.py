@@ -473,6 +473,12 @@ class MeshformerConfig:
         "and on CPUs for runs of at least 100 TFLOP per process (compiling costs 25-60 s there).",
         choices=(True, False, "auto"),
     )
+    cpu_matmul: str = setting(
+        "auto",
+        "fp32 linears on CPUs: onednn, blas (torch's MKL); auto: onednn on AVX-512 CPUs not made by Intel, where MKL "
+        "runs AVX2 kernels.",
+        choices=("auto", "onednn", "blas"),
+    )
     retain_host_memory: bool = setting(
         True,
         "CPU runs: keep the memory a step frees in the process (glibc malloc never trims, 256 MiB top pad) instead "

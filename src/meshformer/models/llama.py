@@ -216,6 +216,10 @@ class DecoderLayer(nn.Module):
 class Transformer(nn.Module):
     """Causal LM: tokens -> logits. Any of embed_tokens / norm / lm_head may be removed for pipeline stages."""
 
+    # The tied output projection's matmul (F.linear's signature); a kernel choice may replace it on an instance
+    # (models/cpu_linear.py), as it replaces the nn.Linear modules' forward.
+    tied_head_linear = staticmethod(F.linear)
+
     def __init__(self, mc: ModelConfig):
         super().__init__()
         self.config = mc
@@ -246,7 +250,7 @@ class Transformer(nn.Module):
         if self.lm_head is not None:
             h = self.lm_head(h)
         elif self.config.tie_word_embeddings and self.embed_tokens is not None and self.norm is not None:
-            h = F.linear(h, self.embed_tokens.weight)
+            h = self.tied_head_linear(h, self.embed_tokens.weight)
         return h
 
     def tp_plan(self) -> dict[str, str]:

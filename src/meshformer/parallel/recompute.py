@@ -29,6 +29,8 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
+from meshformer.models.cpu_linear import onednn_mm
+
 aten = torch.ops.aten
 
 # Kept by selective recompute: the expensive results (matmuls, attention) and collectives (recomputing one would
@@ -41,6 +43,7 @@ SAVED_OPS = {
     aten._scaled_dot_product_flash_attention_for_cpu,
     aten._scaled_dot_product_efficient_attention,
     aten._scaled_dot_product_cudnn_attention,
+    onednn_mm._opoverload.overloadpacket,  # fp32 CPU linears on oneDNN (models/cpu_linear.py)
 }
 for _name in ("all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor", "all_to_all_single"):
     if hasattr(torch.ops, "_c10d_functional") and hasattr(torch.ops._c10d_functional, _name):

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from meshformer.config.schema import MeshformerConfig
 from meshformer.dtypes import DTYPE
 from meshformer.models import build_model, materialize
+from meshformer.models.cpu_linear import onednn_linear_decision, use_onednn_linears
 from meshformer.models.transforms import ModelTransform, apply_model_transforms
 from meshformer.parallel import ModelParts, ParallelEnv, parallelize
 from meshformer.planner.throughput import flops_per_token
@@ -49,6 +50,7 @@ class BuiltModel:
     model: torch.nn.Module  # the whole transformed model, still on the meta device (for counting, plans)
     parts: ModelParts  # this rank's materialized pieces, parallelized
     transforms: list[str]  # names of the model transforms applied, in order
+    matmul_note: str = ""  # CPU runs: which library runs the fp32 linear layers, and why (cpu_matmul)
 
 
 def build_parts(
@@ -59,17 +61,21 @@ def build_parts(
 ) -> BuiltModel:
     """build_model -> model transforms -> parallelize -> materialize: the one way a run gets its model. `run_tokens`
     (the tokens the whole run trains on) lets `compile: auto` judge whether compiling pays on a CPU. A CPU run also
-    keeps the host memory its steps free (`retain_host_memory`, train/host_memory.py)."""
+    keeps the host memory its steps free (`retain_host_memory`, train/host_memory.py), and its fp32 linears may run
+    on oneDNN (`cpu_matmul`, models/cpu_linear.py)."""
     mc = cfg.model.model_config
     if cfg.retain_host_memory and env.device.type == "cpu":
         retain_freed_host_memory()
     model = build_model(mc)
     applied = apply_model_transforms(model, cfg, transforms)
+    onednn, matmul_note = onednn_linear_decision(cfg.cpu_matmul, env.device, DTYPE[mc.compute_dtype])
+    if onednn:  # after the transforms (LoRA's own linears included), before parallelism wraps anything
+        use_onednn_linears(model)
     run_flops = None if run_tokens is None else run_tokens * flops_per_token(cfg)
     parts = parallelize(model, cfg, env, make_loss_fn(cfg), run_flops)
     for part in parts.parts:
         materialize(part, env.device, cfg.seed, DTYPE[mc.param_init_type])
-    return BuiltModel(model, parts, applied)
+    return BuiltModel(model, parts, applied, matmul_note)
 
 
 @dataclass

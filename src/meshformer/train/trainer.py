@@ -142,6 +142,8 @@ class Trainer:
         for name in built.transforms:
             self.console.log(f"model transform: {name}")
         self.console.log(built.parts.compile_note)
+        if built.matmul_note:
+            self.console.log(built.matmul_note)
         self.n_params = num_params(built.model)
         self.n_trainable = sum(p.numel() for p in built.model.parameters() if p.requires_grad)
         # The input embedding is a lookup, not a matmul; a tied head does matmul work, so count it then.

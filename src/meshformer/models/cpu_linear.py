@@ -1,0 +1,147 @@
+"""fp32 linear layers through oneDNN on CPUs where torch's BLAS takes a slow path.
+
+torch runs an fp32 `F.linear` on a CPU through its BLAS, MKL. On CPUs not made by Intel MKL dispatches its AVX2
+kernels even where the CPU has AVX-512: on the 2-core AMD EPYC (Zen 5, AVX-512) of docs/benchmarks.md, MKL's sgemm
+runs 160-190 GFLOP/s on the model's shapes where oneDNN's AVX-512 brgemm kernels, which ship inside torch, run
+380-430. bf16 matmuls already go to oneDNN; fp32 ones only when asked, which is what this module does.
+
+`use_onednn_linears` gives every `nn.Linear` of a (meta-device) model the forward of `OneDNNLinear`, a subclass with
+no state of its own: parameter names, checkpoints and `isinstance(m, nn.Linear)` stay as they were. Its forward
+calls oneDNN only for plain fp32 CPU tensors outside autocast; anything else (bf16 autocast, DTensor weights under
+tensor parallelism, another device) takes `F.linear` unchanged. The three matmuls of a linear's forward and
+backward go through one custom op (`meshformer::onednn_mm`) so that Inductor calls it as an opaque kernel (its own
+lowering of oneDNN's linear asserts on trainable weights) and selective recompute can keep its outputs.
+
+Results differ from MKL's by the order of accumulation only (a few ulps); the weight-gradient matmul picks which
+operand oneDNN copies to a contiguous layout by size (measured: the smaller one), and small weights keep MKL
+there, where the copy costs more than the kernel saves.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# Below this many weight elements the weight-gradient matmul stays with torch's BLAS: oneDNN's transposed-input copy
+# then costs more than its kernel saves (measured on the Zen 5: [2048 x 128]^T x [2048 x 128] 0.41 ms MKL, 0.47
+# oneDNN; 256 x 256 1.53 against 1.23).
+_MIN_DW_ELEMENTS = 256 * 256
+
+
+@torch.library.custom_op("meshformer::onednn_mm", mutates_args=())
+def onednn_mm(a: torch.Tensor, b_t: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """a @ b_t.T (+ bias) by oneDNN: a [m, k], b_t [n, k] in any strides (a is copied if not row-major)."""
+    return torch.ops.mkldnn._linear_pointwise(a, b_t, bias, "none", [], "")
+
+
+@onednn_mm.register_fake
+def _(a, b_t, bias=None):
+    return a.new_empty(a.shape[0], b_t.shape[0])
+
+
+class _OneDNNLinearFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        # Only what backward will use, as F.linear's autograd saves: x for the weight gradient, the weight for x's
+        # (a frozen base weight under LoRA keeps no input alive).
+        ctx.save_for_backward(x if ctx.needs_input_grad[1] else None, weight if ctx.needs_input_grad[0] else None)
+        ctx.x_shape, ctx.w_shape = x.shape, weight.shape
+        ctx.has_bias = bias is not None
+        return onednn_mm(x.reshape(-1, x.shape[-1]), weight, bias).view(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        x, weight = ctx.saved_tensors
+        out_f, in_f = ctx.w_shape
+        dy2 = dy.reshape(-1, out_f)
+        dx = dw = db = None
+        if ctx.needs_input_grad[0]:
+            dx = onednn_mm(dy2, weight.t()).view(ctx.x_shape)  # dy @ W
+        if ctx.needs_input_grad[1]:
+            x2 = x.reshape(-1, in_f)
+            if out_f * in_f < _MIN_DW_ELEMENTS:
+                dw = dy2.t() @ x2
+            elif out_f > in_f:  # copy x (the smaller), compute dW^T = x^T dy, transpose the weight-sized result
+                dw = onednn_mm(x2.t(), dy2.t()).t().contiguous()
+            else:  # copy dy (the smaller or equal), compute dW = dy^T x directly
+                dw = onednn_mm(dy2.t(), x2.t())
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            db = dy2.sum(0)
+        return dx, dw, db
+
+
+def _plain(t: torch.Tensor) -> bool:
+    return type(t) is torch.Tensor or type(t) is nn.Parameter
+
+
+def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear, by oneDNN for plain fp32 CPU tensors outside autocast; by F.linear itself otherwise."""
+    if (
+        x.device.type == "cpu"
+        and x.dtype == torch.float32
+        and weight.dtype == torch.float32
+        and _plain(x)
+        and _plain(weight)
+        and (bias is None or (_plain(bias) and bias.dtype == torch.float32))
+        and not torch.is_autocast_enabled("cpu")
+        and x.numel() > 0
+    ):
+        return _OneDNNLinearFn.apply(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
+class OneDNNLinear(nn.Linear):
+    """nn.Linear whose fp32 CPU forward and backward run on oneDNN (no state of its own; see the module's doc)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return onednn_linear(x, self.weight, self.bias)
+
+
+def use_onednn_linears(model: nn.Module) -> int:
+    """Give every plain nn.Linear of `model` OneDNNLinear's forward, and a tied output projection
+    (`tied_head_linear`, models/llama.py) onednn_linear, in place; returns how many linears changed."""
+    n = 0
+    for m in model.modules():
+        if type(m) is nn.Linear:
+            m.__class__ = OneDNNLinear
+            n += 1
+        elif hasattr(m, "tied_head_linear"):
+            m.tied_head_linear = onednn_linear
+            n += 1
+    return n
+
+
+def cpu_vendor_and_flags() -> tuple[str, set[str]]:
+    """(vendor_id, flags) of /proc/cpuinfo's first processor; ("", set()) where it cannot be read."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return "", set()
+    field = {}
+    for ln in lines:
+        key, _, val = ln.partition(":")
+        field.setdefault(key.strip(), val.strip())
+    return field.get("vendor_id", ""), set(field.get("flags", "").split())
+
+
+def onednn_linear_decision(setting: str, device: torch.device, compute_dtype: torch.dtype) -> tuple[bool, str]:
+    """(use oneDNN for fp32 linears?, why) for `cpu_matmul`: onednn and blas are obeyed on a CPU; auto picks oneDNN
+    where MKL is known to leave AVX-512 unused (an AVX-512 CPU not made by Intel) and the layers compute in fp32 (bf16
+    already runs on oneDNN). Deterministic per machine, so a resumed run continues with the same kernels."""
+    if device.type != "cpu":
+        return False, ""
+    if not torch.backends.mkldnn.is_available():
+        return False, "cpu_matmul: blas (this torch has no oneDNN)"
+    if setting != "auto":
+        return setting == "onednn", f"cpu_matmul: {setting}"
+    if compute_dtype != torch.float32:
+        return False, "cpu_matmul: auto -> blas (bf16 matmuls already run on oneDNN)"
+    vendor, flags = cpu_vendor_and_flags()
+    if "avx512f" not in flags:
+        return False, "cpu_matmul: auto -> blas (no AVX-512: oneDNN is not proven faster here)"
+    if vendor == "GenuineIntel":
+        return False, "cpu_matmul: auto -> blas (MKL runs its AVX-512 kernels on Intel CPUs)"
+    return True, f"cpu_matmul: auto -> onednn ({vendor or 'unknown vendor'} with AVX-512: MKL would run AVX2 kernels)"
