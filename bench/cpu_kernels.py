@@ -3,7 +3,8 @@
 
 Prints, for fp32 and bf16 (bf16 only where the CPU has bf16 matmul units):
   1. the model's matmul shapes (forward, input-gradient, weight-gradient) in GFLOP/s against square matmuls, and
-     q/k/v and gate/up as three/two matmuls or one fused (a fused projection pays only if it runs faster);
+     q/k/v and gate/up as three/two matmuls or one fused (a fused projection pays only if it runs faster); in fp32
+     also on oneDNN, as `cpu_matmul: onednn` runs them (models/cpu_linear.py);
   2. attention, forward + backward per layer: SDPA flash, SDPA's math backend, the unfused form (HF "eager":
      `q @ k^T`, fp32 softmax, `@ v`), and compiled: meshformer's causal_attention (the blocked kernel under its
      checkpoint, models/attention.py) against the same function told to run SDPA;
@@ -37,7 +38,12 @@ def best_ms(fn, n: int = 10, warmup: int = 3) -> float:
 def matmuls(dt, tokens: int, h: int, ffn: int, vocab: int) -> None:
     for n in (512, 1024, 2048):
         a, b = torch.randn(n, n, dtype=dt), torch.randn(n, n, dtype=dt)
-        print(f"  square {n}: {2 * n**3 / best_ms(lambda: a @ b, 5) / 1e6:.0f} GFLOP/s")
+        line = f"  square {n}: {2 * n**3 / best_ms(lambda: a @ b, 5) / 1e6:.0f} GFLOP/s"
+        if dt == torch.float32 and torch.backends.mkldnn.is_available():
+            from meshformer.models.cpu_linear import onednn_mm
+
+            line += f" (oneDNN {2 * n**3 / best_ms(lambda: onednn_mm(a, b), 5) / 1e6:.0f})"
+        print(line)
     for k, o in ((h, h), (h, 3 * h), (h, ffn), (h, 2 * ffn), (ffn, h), (h, vocab)):
         x, w, g = torch.randn(tokens, k, dtype=dt), torch.randn(o, k, dtype=dt), torch.randn(tokens, o, dtype=dt)
         rates = [2 * tokens * k * o / best_ms(f) / 1e6 for f in (lambda: x @ w.t(), lambda: g @ w, lambda: g.t() @ x)]
@@ -45,6 +51,12 @@ def matmuls(dt, tokens: int, h: int, ffn: int, vocab: int) -> None:
             f"  [{tokens}, {k}] x [{k}, {o}]: forward {rates[0]:.0f}, input grad {rates[1]:.0f}, weight grad "
             f"{rates[2]:.0f} GFLOP/s"
         )
+        if dt == torch.float32 and torch.backends.mkldnn.is_available():  # the same three as cpu_matmul: onednn
+            from meshformer.models.cpu_linear import onednn_mm, weight_grad
+
+            fns = (lambda: onednn_mm(x, w), lambda: onednn_mm(g, w.t()), lambda: weight_grad(g, x))
+            rates = [2 * tokens * k * o / best_ms(f) / 1e6 for f in fns]
+            print(f"    on oneDNN: forward {rates[0]:.0f}, input grad {rates[1]:.0f}, weight grad {rates[2]:.0f}")
 
 
 def attention(dt, batch: int, heads: int, seq: int, head_dim: int) -> None:

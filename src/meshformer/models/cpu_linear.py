@@ -61,16 +61,21 @@ class _OneDNNLinearFn(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             dx = onednn_mm(dy2, weight.t()).view(ctx.x_shape)  # dy @ W
         if ctx.needs_input_grad[1]:
-            x2 = x.reshape(-1, in_f)
-            if out_f * in_f < _MIN_DW_ELEMENTS:
-                dw = dy2.t() @ x2
-            elif out_f > in_f:  # copy x (the smaller), compute dW^T = x^T dy, transpose the weight-sized result
-                dw = onednn_mm(x2.t(), dy2.t()).t().contiguous()
-            else:  # copy dy (the smaller or equal), compute dW = dy^T x directly
-                dw = onednn_mm(dy2.t(), x2.t())
+            dw = weight_grad(dy2, x.reshape(-1, in_f))
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = dy2.sum(0)
         return dx, dw, db
+
+
+def weight_grad(dy: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """dW = dy^T x for dy [tokens, out], x [tokens, in]: both operands are transposed here, and oneDNN copies its
+    first to row-major, so the smaller one goes first (measured the faster order on every model shape)."""
+    out_f, in_f = dy.shape[1], x.shape[1]
+    if out_f * in_f < _MIN_DW_ELEMENTS:
+        return dy.t() @ x
+    if out_f > in_f:  # copy x, compute dW^T = x^T dy, transpose the weight-sized result
+        return onednn_mm(x.t(), dy.t()).t().contiguous()
+    return onednn_mm(dy.t(), x.t())  # copy dy, compute dW directly
 
 
 def _plain(t: torch.Tensor) -> bool:
