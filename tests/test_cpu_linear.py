@@ -72,6 +72,8 @@ def test_decision(monkeypatch):
         assert onednn_linear_decision("onednn", CPU, bf16)[0] is True
         assert onednn_linear_decision("blas", CPU, fp32)[0] is False
     assert onednn_linear_decision("onednn", torch.device("meta"), fp32) == (False, "")
+    # A zero-bubble pipeline splits each backward by autograd node: BLAS, whatever the setting.
+    assert onednn_linear_decision("onednn", CPU, fp32, split_backward=True)[0] is False
 
 
 def _build(cpu_matmul: str, extra: dict | None = None):

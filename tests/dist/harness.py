@@ -36,6 +36,9 @@ MODEL = {
     # AdamW (lr 1e-3, betas 0.9/0.95, weight decay 0.1 off norms and biases) at a constant rate, clipped at 1.0.
     "optimizer.learning_rate": 1e-3, "lr_schedule.type": "constant",
     "optimizer.weight_decay": 0.1, "runner_wrapper.max_grad_norm": 1.0,
+    # fp32 linears on oneDNN on every CPU (auto picks it only on some): each layout proves it against the single
+    # process; tensor parallelism's DTensor weights and the zero-bubble schedules take BLAS (models/cpu_linear.py).
+    "cpu_matmul": "onednn",
 }
 
 # name -> (overrides, micro-batches per step on each rank). World size = dp x tp x pp of the overrides.

@@ -15,6 +15,9 @@ from meshformer.errors import UserError
 STEADY_STATE_SCHEDULES = ("1f1b", "interleaved_1f1b", "interleaved_zero_bubble", "zbv_zero_bubble", "dualpipev")
 MULTI_STAGE_SCHEDULES = ("interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble", "zbv_zero_bubble", "dualpipev")
 V_SCHEDULES = ("zbv_zero_bubble", "dualpipev")
+# Schedules that split each backward into an input half and a weight half, per autograd node (torch's
+# stage_backward_input / stage_backward_weight).
+SPLIT_BACKWARD_SCHEDULES = ("interleaved_zero_bubble", "zbv_zero_bubble", "dualpipev")
 
 
 def _divisors(n: int) -> list[int]:

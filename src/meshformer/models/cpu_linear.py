@@ -132,14 +132,20 @@ def cpu_vendor_and_flags() -> tuple[str, set[str]]:
     return field.get("vendor_id", ""), set(field.get("flags", "").split())
 
 
-def onednn_linear_decision(setting: str, device: torch.device, compute_dtype: torch.dtype) -> tuple[bool, str]:
+def onednn_linear_decision(
+    setting: str, device: torch.device, compute_dtype: torch.dtype, split_backward: bool = False
+) -> tuple[bool, str]:
     """(use oneDNN for fp32 linears?, why) for `cpu_matmul`: onednn and blas are obeyed on a CPU; auto picks oneDNN
     where MKL is known to leave AVX-512 unused (an AVX-512 CPU not made by Intel) and the layers compute in fp32 (bf16
-    already runs on oneDNN). Deterministic per machine, so a resumed run continues with the same kernels."""
+    already runs on oneDNN). Deterministic per machine, so a resumed run continues with the same kernels.
+    `split_backward` (a zero-bubble pipeline schedule) keeps BLAS: torch splits each backward into input and weight
+    halves by autograd node, and the one node of a oneDNN linear computes both halves each time."""
     if device.type != "cpu":
         return False, ""
     if not torch.backends.mkldnn.is_available():
         return False, "cpu_matmul: blas (this torch has no oneDNN)"
+    if split_backward and setting != "blas":
+        return False, f"cpu_matmul: {setting} -> blas (the pipeline schedule splits backward per autograd node)"
     if setting != "auto":
         return setting == "onednn", f"cpu_matmul: {setting}"
     if compute_dtype != torch.float32:

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from meshformer.config.schema import MeshformerConfig
+from meshformer.config.validate import SPLIT_BACKWARD_SCHEDULES
 from meshformer.dtypes import DTYPE
 from meshformer.models import build_model, materialize
 from meshformer.models.cpu_linear import onednn_linear_decision, use_onednn_linears
@@ -68,7 +69,8 @@ def build_parts(
         retain_freed_host_memory()
     model = build_model(mc)
     applied = apply_model_transforms(model, cfg, transforms)
-    onednn, matmul_note = onednn_linear_decision(cfg.cpu_matmul, env.device, DTYPE[mc.compute_dtype])
+    split_backward = env.pp_size > 1 and cfg.parallel_config.pipeline_schedule in SPLIT_BACKWARD_SCHEDULES
+    onednn, matmul_note = onednn_linear_decision(cfg.cpu_matmul, env.device, DTYPE[mc.compute_dtype], split_backward)
     if onednn:  # after the transforms (LoRA's own linears included), before parallelism wraps anything
         use_onednn_linears(model)
     run_flops = None if run_tokens is None else run_tokens * flops_per_token(cfg)
