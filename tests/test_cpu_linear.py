@@ -9,7 +9,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from meshformer.config import load_config
 from meshformer.models import cpu_linear
-from meshformer.models.cpu_linear import OneDNNLinear, onednn_linear, onednn_linear_decision
+from meshformer.models.cpu_linear import AUTO_MIN_MACS, OneDNNLinear, onednn_linear, onednn_linear_decision
 from meshformer.parallel import init_parallel
 from meshformer.train.optim import Optimizers
 from meshformer.train.step import build_parts, clip_threshold, train_step
@@ -111,7 +111,7 @@ def test_training_matches_blas_and_repeats_bit_for_bit(tied):
     model = built.parts.parts[0]
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
     assert len(linears) == 7 * 2 + (not tied) and all(type(m) is OneDNNLinear for m in linears)
-    assert model.tied_head_linear is onednn_linear
+    assert model.tied_head_linear.func is onednn_linear and model.tied_head_linear.keywords == {"min_macs": 0}
     assert built.matmul_note == "cpu_matmul: onednn"
     losses, state = _steps("onednn", extra=extra)
     again, state2 = _steps("onednn", extra=extra)
@@ -181,3 +181,25 @@ def test_saves_what_f_linear_saves(frozen):
         return sorted(sizes)
 
     assert saved_sizes(onednn_linear) == saved_sizes(F.linear) == ([512 * 256] if frozen else [8 * 256, 512 * 256])
+
+
+def test_auto_leaves_small_calls_to_f_linear(monkeypatch):
+    """auto: calls under AUTO_MIN_MACS multiply-adds take F.linear itself (bit-equal), where oneDNN's fixed cost per
+    call outweighs its kernel; larger ones take oneDNN. An explicit `onednn` takes every call."""
+    monkeypatch.setattr(cpu_linear, "cpu_vendor_and_flags", lambda: ("AuthenticAMD", {"avx512f"}))
+    _, _, built = _build("auto")
+    lin = built.parts.parts[0].layers["0"].mlp.up_proj  # 256 -> 688
+    assert type(lin) is OneDNNLinear and lin.onednn_min_macs == AUTO_MIN_MACS
+    assert built.matmul_note.startswith("cpu_matmul: auto -> onednn")
+    small_rows = AUTO_MIN_MACS // (256 * 688)  # just under the threshold
+    for rows, on in ((small_rows, False), (small_rows + 1, True)):
+        x = torch.randn(rows, 256)
+        with _CountOneDNN() as counter:
+            y = lin(x)
+        assert counter.calls == on
+        if not on:
+            assert torch.equal(y, F.linear(x, lin.weight, lin.bias))
+    lin.onednn_min_macs = 0  # what cpu_matmul: onednn sets
+    with _CountOneDNN() as counter:
+        lin(torch.randn(1, 256))
+    assert counter.calls == 1

@@ -476,7 +476,7 @@ class MeshformerConfig:
     cpu_matmul: str = setting(
         "auto",
         "fp32 linears on CPUs: onednn, blas (torch's MKL); auto: onednn on AVX-512 CPUs not made by Intel, where MKL "
-        "runs AVX2 kernels (blas under zero-bubble pipelines).",
+        "runs AVX2 kernels, for calls of >= 4M multiply-adds (not with zero-bubble pipelines).",
         choices=("auto", "onednn", "blas"),
     )
     retain_host_memory: bool = setting(

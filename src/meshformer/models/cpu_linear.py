@@ -12,6 +12,9 @@ tensor parallelism, another device) takes `F.linear` unchanged. The three matmul
 backward go through one custom op (`meshformer::onednn_mm`) so that Inductor calls it as an opaque kernel (its own
 lowering of oneDNN's linear asserts on trainable weights) and selective recompute can keep its outputs.
 
+Under `cpu_matmul: auto` a call of fewer than AUTO_MIN_MACS multiply-adds (a tiny model, a decoding step) keeps
+F.linear, where oneDNN's fixed cost per call outweighs its faster kernel; `onednn` sends every call.
+
 Results differ from MKL's by the order of accumulation only (a few ulps); the weight-gradient matmul picks which
 operand oneDNN copies to a contiguous layout by size (measured: the smaller one), and small weights keep MKL
 there, where the copy costs more than the kernel saves.
@@ -19,11 +22,17 @@ there, where the copy costs more than the kernel saves.
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+# `cpu_matmul: auto` leaves a linear with fewer multiply-adds per call than this to F.linear: oneDNN's fixed cost
+# per call (about 30 us with autograd) outweighs its faster kernel there (measured on the Zen 5, forward + backward:
+# [256 x 64] x [64 x 128] 124 us MKL against 270 us oneDNN; [512 x 128] x [128 x 128] 340 against 282).
+AUTO_MIN_MACS = 1 << 22
 
 # Below this many weight elements the weight-gradient matmul stays with torch's BLAS: oneDNN's transposed-input copy
 # then costs more than its kernel saves (measured on the Zen 5: [2048 x 128]^T x [2048 x 128] 0.41 ms MKL, 0.47
@@ -82,39 +91,47 @@ def _plain(t: torch.Tensor) -> bool:
     return type(t) is torch.Tensor or type(t) is nn.Parameter
 
 
-def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, by oneDNN for plain fp32 CPU tensors outside autocast; by F.linear itself otherwise."""
+def onednn_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, min_macs: int = 0
+) -> torch.Tensor:
+    """F.linear, by oneDNN for plain fp32 CPU tensors outside autocast and calls of at least `min_macs`
+    multiply-adds; by F.linear itself otherwise."""
     if (
-        x.device.type == "cpu"
+        x.numel() * weight.shape[0] >= max(min_macs, 1)
+        and x.device.type == "cpu"
         and x.dtype == torch.float32
         and weight.dtype == torch.float32
         and _plain(x)
         and _plain(weight)
         and (bias is None or (_plain(bias) and bias.dtype == torch.float32))
         and not torch.is_autocast_enabled("cpu")
-        and x.numel() > 0
     ):
         return _OneDNNLinearFn.apply(x, weight, bias)
     return F.linear(x, weight, bias)
 
 
 class OneDNNLinear(nn.Linear):
-    """nn.Linear whose fp32 CPU forward and backward run on oneDNN (no state of its own; see the module's doc)."""
+    """nn.Linear whose fp32 CPU forward and backward run on oneDNN (no parameters or buffers of its own; see the
+    module's doc). `onednn_min_macs`: smaller calls take F.linear."""
+
+    onednn_min_macs = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return onednn_linear(x, self.weight, self.bias)
+        return onednn_linear(x, self.weight, self.bias, self.onednn_min_macs)
 
 
-def use_onednn_linears(model: nn.Module) -> int:
+def use_onednn_linears(model: nn.Module, min_macs: int = 0) -> int:
     """Give every plain nn.Linear of `model` OneDNNLinear's forward, and a tied output projection
-    (`tied_head_linear`, models/llama.py) onednn_linear, in place; returns how many linears changed."""
+    (`tied_head_linear`, models/llama.py) onednn_linear, in place, for calls of at least `min_macs` multiply-adds;
+    returns how many linears changed."""
     n = 0
     for m in model.modules():
         if type(m) is nn.Linear:
             m.__class__ = OneDNNLinear
+            m.onednn_min_macs = min_macs
             n += 1
         elif hasattr(m, "tied_head_linear"):
-            m.tied_head_linear = onednn_linear
+            m.tied_head_linear = functools.partial(onednn_linear, min_macs=min_macs)
             n += 1
     return n
 
