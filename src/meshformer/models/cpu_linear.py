@@ -6,11 +6,11 @@ runs 160-190 GFLOP/s on the model's shapes where oneDNN's AVX-512 brgemm kernels
 380-430. bf16 matmuls already go to oneDNN; fp32 ones only when asked, which is what this module does.
 
 `use_onednn_linears` gives every `nn.Linear` of a (meta-device) model the forward of `OneDNNLinear`, a subclass with
-no state of its own: parameter names, checkpoints and `isinstance(m, nn.Linear)` stay as they were. Its forward
-calls oneDNN only for plain fp32 CPU tensors outside autocast; anything else (bf16 autocast, DTensor weights under
-tensor parallelism, another device) takes `F.linear` unchanged. The three matmuls of a linear's forward and
-backward go through one custom op (`meshformer::onednn_mm`) so that Inductor calls it as an opaque kernel (its own
-lowering of oneDNN's linear asserts on trainable weights) and selective recompute can keep its outputs.
+no parameters or buffers of its own: parameter names, checkpoints and `isinstance(m, nn.Linear)` stay as they were.
+Its forward calls oneDNN only for plain fp32 CPU tensors outside autocast; anything else (bf16 autocast, DTensor
+weights under tensor parallelism, another device) takes `F.linear` unchanged. The three matmuls of a linear's forward
+and backward go through one custom op (`meshformer::onednn_mm`) so that Inductor calls it as an opaque kernel (its
+own lowering of oneDNN's linear asserts on trainable weights) and selective recompute can keep its outputs.
 
 Under `cpu_matmul: auto` a call of fewer than AUTO_MIN_MACS multiply-adds (a tiny model, a decoding step) keeps
 F.linear, where oneDNN's fixed cost per call outweighs its faster kernel; `onednn` sends every call.
