@@ -25,8 +25,9 @@ from meshformer.parallel.swap import apply_swap
 from meshformer.parallel.tp import apply_tp
 
 # A CPU run compiles by default only when its work repays the compile: Inductor takes 25 s (warm cache: 1 s) to
-# 60 s per process on the 2-core CPUs measured and then saves 10-30% of each step (docs/benchmarks.md), so a run of
-# at least 100 TFLOP per process (about ten minutes of eager fp32 work there) gains more than it pays.
+# 60 s per process on the 2-core CPUs measured and then saves 10-30% of each step (8% with fp32 linears on oneDNN,
+# cpu_matmul; docs/benchmarks.md), so a run of at least 100 TFLOP per process (five to ten minutes of eager fp32 work
+# there) gains about what it pays or more.
 CPU_COMPILE_MIN_FLOPS = 1e14
 
 
