@@ -203,3 +203,31 @@ def test_auto_leaves_small_calls_to_f_linear(monkeypatch):
     with _CountOneDNN() as counter:
         lin(torch.randn(1, 256))
     assert counter.calls == 1
+
+
+@pytest.mark.parametrize("setting", ["onednn", "blas"])
+def test_inference_loads_with_the_runs_setting(setting, tmp_path):
+    """load_for_inference (generate, eval, convert --verify) applies the checkpoint's cpu_matmul as training does,
+    and gives the trained model's logits (fp32: 1e-5)."""
+    import yaml
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+
+    from meshformer.checkpoint.inference import load_for_inference
+    from meshformer.checkpoint.saver import save_checkpoint
+    from meshformer.config import to_dict
+
+    cfg, _, built = _build(setting)
+    model = built.parts.parts[0]
+    extra = {
+        "config.yaml": yaml.safe_dump(to_dict(cfg)).encode(),
+        "tokenizer.json": Tokenizer(WordLevel({"a": 0}, unk_token="a")).to_str().encode(),
+    }
+    save_checkpoint(tmp_path / "checkpoint" / "step_00000001", [model], [torch.optim.AdamW(model.parameters())],
+                    {"step": 1}, extra)  # fmt: skip
+    loaded, _, _ = load_for_inference(tmp_path)
+    swapped = [type(m) is OneDNNLinear for m in loaded.modules() if isinstance(m, torch.nn.Linear)]
+    assert swapped and all(swapped) == (setting == "onednn") and any(swapped) == (setting == "onednn")
+    tokens = torch.randint(0, 512, (2, 32), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        assert rel(loaded(tokens), model.eval()(tokens)) < 1e-5

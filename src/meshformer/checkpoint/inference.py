@@ -17,6 +17,7 @@ def load_for_inference(path: str | Path, device: str | torch.device = "cpu"):
     from meshformer.data.tokenizer import load_tokenizer
     from meshformer.dtypes import DTYPE
     from meshformer.models import build_model, materialize
+    from meshformer.models.cpu_linear import apply_cpu_matmul
     from meshformer.models.transforms import apply_model_transforms
 
     notes: list[str] = []
@@ -30,6 +31,8 @@ def load_for_inference(path: str | Path, device: str | torch.device = "cpu"):
     mc = cfg.model.model_config
     model = build_model(mc)
     apply_model_transforms(model, cfg)  # e.g. LoRA: the checkpoint holds base layers and adapters
+    # The fp32 linears on oneDNN as in training (cpu_matmul; decoding steps stay under its size threshold).
+    apply_cpu_matmul(model, cfg.cpu_matmul, torch.device(device), DTYPE[mc.compute_dtype])
     materialize(model, device, cfg.seed, DTYPE[mc.param_init_type])
     load_model_weights(ckpt, [model], {k: tuple(v.shape) for k, v in model.state_dict().items()})
     model.eval()

@@ -173,3 +173,13 @@ def onednn_linear_decision(
     if vendor == "GenuineIntel":
         return False, "cpu_matmul: auto -> blas (MKL runs its AVX-512 kernels on Intel CPUs)"
     return True, f"cpu_matmul: auto -> onednn ({vendor or 'unknown vendor'} with AVX-512: MKL would run AVX2 kernels)"
+
+
+def apply_cpu_matmul(model: nn.Module, setting: str, device: torch.device, compute_dtype: torch.dtype,
+                     split_backward: bool = False) -> str:  # fmt: skip
+    """`cpu_matmul` on a (meta-device) model, as training and inference build it: swaps its linears where
+    `onednn_linear_decision` says so (auto: for calls of at least AUTO_MIN_MACS); returns the decision's note."""
+    onednn, note = onednn_linear_decision(setting, device, compute_dtype, split_backward)
+    if onednn:
+        use_onednn_linears(model, AUTO_MIN_MACS if setting == "auto" else 0)
+    return note

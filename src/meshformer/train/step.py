@@ -25,7 +25,7 @@ from meshformer.config.schema import MeshformerConfig
 from meshformer.config.validate import SPLIT_BACKWARD_SCHEDULES
 from meshformer.dtypes import DTYPE
 from meshformer.models import build_model, materialize
-from meshformer.models.cpu_linear import AUTO_MIN_MACS, onednn_linear_decision, use_onednn_linears
+from meshformer.models.cpu_linear import apply_cpu_matmul
 from meshformer.models.transforms import ModelTransform, apply_model_transforms
 from meshformer.parallel import ModelParts, ParallelEnv, parallelize
 from meshformer.planner.throughput import flops_per_token
@@ -70,9 +70,8 @@ def build_parts(
     model = build_model(mc)
     applied = apply_model_transforms(model, cfg, transforms)
     split_backward = env.pp_size > 1 and cfg.parallel_config.pipeline_schedule in SPLIT_BACKWARD_SCHEDULES
-    onednn, matmul_note = onednn_linear_decision(cfg.cpu_matmul, env.device, DTYPE[mc.compute_dtype], split_backward)
-    if onednn:  # after the transforms (LoRA's own linears included), before parallelism wraps anything
-        use_onednn_linears(model, AUTO_MIN_MACS if cfg.cpu_matmul == "auto" else 0)
+    # After the transforms (LoRA's own linears included), before parallelism wraps anything.
+    matmul_note = apply_cpu_matmul(model, cfg.cpu_matmul, env.device, DTYPE[mc.compute_dtype], split_backward)
     run_flops = None if run_tokens is None else run_tokens * flops_per_token(cfg)
     parts = parallelize(model, cfg, env, make_loss_fn(cfg), run_flops)
     for part in parts.parts:
