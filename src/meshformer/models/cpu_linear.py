@@ -120,20 +120,15 @@ class OneDNNLinear(nn.Linear):
         return onednn_linear(x, self.weight, self.bias, self.onednn_min_macs)
 
 
-def use_onednn_linears(model: nn.Module, min_macs: int = 0) -> int:
+def use_onednn_linears(model: nn.Module, min_macs: int = 0) -> None:
     """Give every plain nn.Linear of `model` OneDNNLinear's forward, and a tied output projection
-    (`tied_head_linear`, models/llama.py) onednn_linear, in place, for calls of at least `min_macs` multiply-adds;
-    returns how many linears changed."""
-    n = 0
+    (`tied_head_linear`, models/llama.py) onednn_linear, in place, for calls of at least `min_macs` multiply-adds."""
     for m in model.modules():
         if type(m) is nn.Linear:
             m.__class__ = OneDNNLinear
             m.onednn_min_macs = min_macs
-            n += 1
         elif hasattr(m, "tied_head_linear"):
             m.tied_head_linear = functools.partial(onednn_linear, min_macs=min_macs)
-            n += 1
-    return n
 
 
 def cpu_vendor_and_flags() -> tuple[str, set[str]]:

@@ -64,9 +64,10 @@ def peak_flops(device: torch.device, dtype: torch.dtype, configured: float) -> t
 
 def cpu_has_bf16() -> bool:
     """Whether this CPU has bf16 matmul instructions (AVX-512 BF16 or AMX)."""
-    try:
-        flags = next(ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags")).split()
-    except (OSError, StopIteration):
+    from meshformer.models.cpu_linear import cpu_vendor_and_flags
+
+    _, flags = cpu_vendor_and_flags()
+    if not flags:
         return True  # unknown: time bf16 itself
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
