@@ -17,16 +17,17 @@ n (norm dtype), a (compute dtype), tensor parallel degree t, sequence parallel d
     q/k norm      (2 T q + 2 T kv + T heads + T kv_heads) n / t
     SwiGLU        4 T f a / t          (gate, silu(gate), up, their product)
 
-(q = heads x head_dim, kv = kv_heads x head_dim, f = ffn width.) Full recompute keeps each layer's input
-(T h, / t with SP) and recomputes one layer at a time in backward: that layer's set is `recompute_bytes`, apart
-from the saved activations (it is not saved for backward but made again in it; the loss's tensors are gone by
-then, so the peak is at most their sum). The last stage adds the final norm and the log-softmax of the logits in
-softmax_compute_dtype (T x vocab / t under tensor parallel: loss parallel). Token ids, labels and the rotary
-tables are the batch's and the model's memory, not activations. A stage holds as many micro-batches in flight
-as its schedule makes it (all of them under GPipe, pp - rank under 1F1B; multi-stage schedules are replayed from
-their own action list, planner/schedule.py), and a later stage keeps a receive buffer per micro-batch. Schedules
-that split the backward keep part of each micro-batch from its weight step to the end of the step
-(`split_backward_kept_bytes`).
+(q = heads x head_dim, kv = kv_heads x head_dim, f = ffn width.) Full recompute keeps each layer's input (T h, / t
+with SP) and recomputes one layer at a time in backward: that layer's set is `recompute_bytes`, apart from the saved
+activations (it is not saved for backward but made again in it; the loss's tensors are gone by then, so the peak is
+at most their sum). Autocast without data parallelism keeps a compute-dtype copy of every matmul weight, but a
+recomputed layer's (full or selective) are made again in its backward, with its set. The last stage adds the final
+norm and the log-softmax of the logits in softmax_compute_dtype (T x vocab / t under tensor parallel: loss
+parallel). Token ids, labels and the rotary tables are the batch's and the model's memory, not activations. A stage
+holds as many micro-batches in flight as its schedule makes it (all of them under GPipe, pp - rank under 1F1B;
+multi-stage schedules are replayed from their own action list, planner/schedule.py), and a later stage keeps a
+receive buffer per micro-batch. Schedules that split the backward keep part of each micro-batch from its weight step
+to the end of the step (`split_backward_kept_bytes`).
 tests/test_memory.py and tests/test_parallel.py check every figure against the bytes real runs measure
 (train/memory.py).
 """
@@ -114,7 +115,7 @@ def states_bytes(cfg: MeshformerConfig, dims: ParallelDims, pp_rank: int) -> tup
             nbytes = numel * p.element_size()
             params += nbytes
             if p.dim() == 2 and (not name.startswith("embed_tokens") or cfg.model.model_config.tie_word_embeddings):
-                matmul += numel if fsdp == 1 else _local_numel(tuple(p.shape), tp_dim, dims.tp, 1)
+                matmul += _local_numel(tuple(p.shape), tp_dim, dims.tp, 1)
             if p.requires_grad:
                 # torch's vocab-parallel embedding returns a replicated (whole) gradient for its sharded weight, unless
                 # data parallelism (replicate / fully_shard) reduces it into the weight's placement
@@ -126,6 +127,20 @@ def states_bytes(cfg: MeshformerConfig, dims: ParallelDims, pp_rank: int) -> tup
                 grads += math.prod(p.shape) * p.element_size() if replicated else nbytes
                 optim += 2 * nbytes + 4  # AdamW: exp_avg, exp_avg_sq, and a float32 step
     return params, grads, optim, layers, matmul
+
+
+def _layer_matmul_elements(piece, key: str, tp: int) -> int:
+    """Local elements of decoder layer `key`'s matmul weights (its 2-D parameters, tensor-parallel cut, whole
+    across FSDP: what autocast casts)."""
+    from meshformer.parallel.tp import resolve_plan
+
+    styles = resolve_plan(piece, piece.tp_plan()) if tp > 1 else {}
+    total = 0
+    for name, p in piece.layers[key].named_parameters(prefix=f"layers.{key}"):
+        if p.dim() == 2:
+            module, _, leaf = name.rpartition(".")
+            total += _local_numel(tuple(p.shape), TP_SHARD_DIM.get(styles.get(module, ""), {}).get(leaf), tp, 1)
+    return total
 
 
 @dataclass
@@ -301,6 +316,9 @@ def stage_memory(
     swapped, swap_host = _swapped_layers(cfg, pieces), {}
     per_stage, buffer = {}, {}  # bytes a micro-batch leaves saved on each stage; a later stage's received input
     after_w = {}  # split-backward schedules: what a micro-batch still holds after its W (split_backward_kept_bytes)
+    # Matmul weight elements of recomputed layers: their autocast copies are not kept but made again in backward,
+    # with the layer's activations (the selective policy keeps matmul outputs, not casts).
+    recast, casts_kept = 0, autocast and not gathered_low
     for s, piece in pieces:
         kept = kept_after_w = 0
         grad = s > 0 or any(p.requires_grad for p in piece.embed_tokens.parameters())
@@ -314,12 +332,14 @@ def stage_memory(
                 largest = max(largest, (1 + swapped[1]) * full)
             elif i < n_rc:  # recomputed: keeps its input; its backward holds the full set again, one layer at a time
                 kept += layer_input if grad or grad_out else 0
-                largest = max(largest, full)
+                recast += (cast := _layer_matmul_elements(piece, key, dims.tp))
+                largest = max(largest, full + cast * dt["compute"] * casts_kept)
                 if kept_after_w is not None:  # the input outlives W; what the recompute makes dies within I
                     kept_after_w += layer_input if grad or grad_out else 0
             elif i < n_sel:  # selective: keeps the matmul, attention and collective outputs
                 kept += selective_layer_bytes(mc, T, tp, sp, dt["compute"], residual, g.lora)
-                largest = max(largest, full)
+                recast += (cast := _layer_matmul_elements(piece, key, dims.tp))
+                largest = max(largest, full + cast * dt["compute"] * casts_kept)
             else:
                 kept += full
                 last_sender = i == len(piece.layers) - 1 and s < n_stages - 1
@@ -369,8 +389,8 @@ def stage_memory(
         # The V's turn: stage pp hands its input gradient to stage pp - 1 on the same rank, and torch keeps each
         # micro-batch's (stage.set_local_bwd_input: grad_recv_info[mb].buffer, never cleared) past the step's end.
         activations += n_micro * layer_input
-    if autocast and not gathered_low:
-        activations += matmul * dt["compute"]  # autocast's low-precision weight copies, one per autocast region
+    if casts_kept:
+        activations += (matmul - recast) * dt["compute"]  # autocast's low-precision weight copies, one per region
     return StageMemory(pp_rank, layers, params, grads, optim, activations, k, largest, host)
 
 
