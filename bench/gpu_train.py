@@ -85,7 +85,7 @@ def run_mode(args, mode: str, acc) -> dict:
     from meshformer.config.load import load_config
     from meshformer.parallel import init_parallel
     from meshformer.planner.plan import make_plan
-    from meshformer.train.memory import ActivationCounter
+    from meshformer.train.memory import counter_for
     from meshformer.train.optim import Optimizers
     from meshformer.train.step import build_parts, train_step
 
@@ -110,11 +110,10 @@ def run_mode(args, mode: str, acc) -> dict:
     plan = make_plan(cfg, env.dims, acc, args.batch, 1)
     g = torch.Generator(dev).manual_seed(env.rank)
     vocab = cfg.model.model_config.vocab_size
-    params = {p.untyped_storage().data_ptr() for p in built.parts.parameters()}
     times, losses, act_peak = [], [], 0
     for step in range(args.warmup + args.steps):
         tokens = torch.randint(vocab, (args.batch, args.seq + 1), generator=g, device=dev)
-        counter = ActivationCounter(params) if dev.type != "cuda" and step == args.warmup else None
+        counter = counter_for(built.parts) if dev.type != "cuda" and step == args.warmup else None
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
             if step == 1:  # after the first step: optimizer states exist, the peak is a steady step's

@@ -98,6 +98,16 @@ class ActivationCounter:
             KEPT_LISTENERS.remove(self.pack)
 
 
+def counter_for(parts) -> ActivationCounter:
+    """A counter for one step of `parts` (ModelParts): the storages of their parameters (a DTensor's local shard)
+    and buffers are the model's, and a pipeline stage's receive buffers are held through the step."""
+    model = [*parts.parameters(), *(b for part in parts.parts for b in part.buffers())]
+    locals_ = (t.to_local() if hasattr(t, "to_local") else t for t in model)
+    counter = ActivationCounter({t.untyped_storage().data_ptr() for t in locals_})
+    counter.hold(parts.persistent_buffers())
+    return counter
+
+
 # Activations are measured on the first two steps and the second is reported: a pipeline stage's first step also
 # runs a set-up forward (torch infers the shapes it sends) whose saved tensors live through that step only.
 MEASURED_STEPS = 2
@@ -118,10 +128,7 @@ class MemoryMeter:
         """Saved-tensor hooks for this step's forward/backward (the first MEASURED_STEPS steps), else None."""
         if self.measured >= MEASURED_STEPS:
             return None
-        model = [*self.parts.parameters(), *(b for part in self.parts.parts for b in part.buffers())]
-        locals_ = (t.to_local() if hasattr(t, "to_local") else t for t in model)
-        self.counter = ActivationCounter({t.untyped_storage().data_ptr() for t in locals_})
-        self.counter.hold(self.parts.persistent_buffers())
+        self.counter = counter_for(self.parts)
         return self.counter.hooks()
 
     def after_update(self) -> None:

@@ -1,0 +1,76 @@
+"""The benchmark scripts run on a CPU with tiny models, so that they cannot rot between the machines they are for.
+
+bench/gpu_train.py is the GPU benchmark (one device, or torchrun over eight); here it trains a tiny preset on the
+CPU in every recompute mode, and under torchrun with FSDP, and its measured activations must match the planner's
+prediction it prints beside them. bench/bench_vs_hf.py trains a tiny Llama on both sides and must show the same
+losses as transformers.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT, TORCHRUN
+
+ACTIVATIONS_RTOL = 0.10  # as tests/test_memory.py
+TINY = ["--preset", "tiny", "--seq", "64", "--batch", "2", "--steps", "2", "--warmup", "1"]
+
+
+def _env() -> dict:
+    return {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
+
+
+def _rows(path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def _check_row(row: dict, world: int) -> None:
+    assert "error" not in row, row
+    assert row["world"] == world and row["tokens_per_s_per_device"] > 0 and 0 < row["mfu"] < 1
+    assert math.isfinite(row["loss_first"]) and math.isfinite(row["loss_last"])
+    got, want = row["activations_bytes"], row["predicted_activations_bytes"]
+    assert abs(want - got) <= ACTIVATIONS_RTOL * got, (row["mode"], want, got)
+
+
+def test_gpu_bench_trains_the_tiny_preset_on_the_cpu_in_every_recompute_mode(tmp_path):
+    out = tmp_path / "rows.jsonl"
+    modes = "none,selective,full"
+    cmd = [sys.executable, str(ROOT / "bench" / "gpu_train.py"), *TINY, "--modes", modes, "--json", str(out)]
+    p = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    rows = _rows(out)
+    assert [r["mode"] for r in rows] == modes.split(",")
+    for row in rows:
+        _check_row(row, 1)
+    assert "| tiny | 4 | 64 x 2 | full |" in p.stdout  # the table a user reads
+
+
+def test_gpu_bench_under_torchrun_shards_with_fsdp(tmp_path):
+    out = tmp_path / "rows.jsonl"
+    script = str(ROOT / "bench" / "gpu_train.py")
+    cmd = [*TORCHRUN, "--standalone", "--nproc-per-node", "2", script, *TINY, "--fsdp", "--modes", "full"]
+    p = subprocess.run([*cmd, "--json", str(out)], capture_output=True, text=True, env=_env(), timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    (row,) = _rows(out)
+    assert row["fsdp"] is True
+    _check_row(row, 2)
+
+
+@pytest.mark.filterwarnings("ignore")
+def test_bench_vs_hf_trains_both_sides_to_the_same_losses():
+    pytest.importorskip("transformers")
+    shape = ["--hidden", "64", "--layers", "2", "--heads", "4", "--kv-heads", "2", "--ffn", "128", "--vocab", "256"]
+    run = ["--seq", "32", "--batch", "2", "--steps", "2", "--warmup", "1", "--peak-flops", "1e11"]
+    cmd = [sys.executable, str(ROOT / "bench" / "bench_vs_hf.py"), *shape, *run]
+    p = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    worst = re.search(r"max \|diff\| over all (\d+) steps: (\S+)", p.stdout)
+    assert worst and int(worst[1]) == 3 and float(worst[2]) <= 1e-5, p.stdout[-2000:]
+    assert re.search(r"ratio meshformer / HF: \d+\.\d+x", p.stdout)
