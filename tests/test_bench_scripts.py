@@ -74,3 +74,14 @@ def test_bench_vs_hf_trains_both_sides_to_the_same_losses():
     worst = re.search(r"max \|diff\| over all (\d+) steps: (\S+)", p.stdout)
     assert worst and int(worst[1]) == 3 and float(worst[2]) <= 1e-5, p.stdout[-2000:]
     assert re.search(r"ratio meshformer / HF: \d+\.\d+x", p.stdout)
+
+
+def test_recompute_bench_measures_what_the_planner_predicts_in_bf16():
+    shape = ["--hidden", "64", "--layers", "2", "--seq", "32", "--batch", "2", "--steps", "1", "--dtype", "bfloat16"]
+    cmd = [sys.executable, str(ROOT / "bench" / "recompute.py"), *shape]
+    p = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    rows = re.findall(r"^\| (none|full|selective) \| ([\d.]+) MiB \| ([\d.]+) MiB \|", p.stdout, re.M)
+    assert [r[0] for r in rows] == ["none", "full", "selective"], p.stdout
+    for mode, measured, predicted in rows:
+        assert abs(float(predicted) - float(measured)) <= ACTIVATIONS_RTOL * float(measured), (mode, p.stdout)
