@@ -185,3 +185,36 @@ def test_planner_states_equal_the_real_parallelize_path_on_fake_tensors_at_7b(ra
     assert fake["stage"] == stage.stage
     for key in ("params_bytes", "grads_bytes", "optimizer_bytes"):
         assert fake[key] == getattr(stage, key), (key, fake[key], getattr(stage, key))
+
+
+# ---- the planner against the CUDA allocator's peaks measured on one H200 (docs/memory.md, 2026-11-29) -----------
+
+# (preset, layers (0: all), seq, micro batch, bench/gpu_train.py mode, measured peak allocated GiB)
+H200_PEAKS = [
+    ("1b", 0, 2048, 4, "none", 43.84),
+    ("1b", 0, 2048, 4, "selective", 33.53),
+    ("1b", 0, 2048, 4, "full", 27.26),
+    ("8b", 8, 8192, 2, "selective", 69.92),
+    ("8b", 0, 2048, 1, "full", 119.76),
+]
+
+
+@pytest.mark.parametrize("preset,layers,seq,batch,mode,measured", H200_PEAKS)
+def test_planner_predicts_the_h200_peaks_within_5_percent(preset, layers, seq, batch, mode, measured):
+    """bf16 autocast over fp32 weights, one device: under recompute the forward's end holds autocast's cached
+    weight copies beside the logits, though no recomputed layer saves them for backward."""
+    import sys
+
+    from meshformer.planner.accelerators import ACCELERATORS
+    from meshformer.planner.plan import make_plan
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    from gpu_train import MODES, PRESETS
+
+    model = {**PRESETS[preset], "seq_length": seq, "compute_dtype": "bfloat16"}
+    if layers:
+        model["num_layers"] = layers
+    flat = [x for k, v in model.items() for x in (f"--model.model_config.{k}", str(v))]
+    cfg = load_config(None, [*flat, "--train_dataset.batch_size", str(batch), *MODES[mode]])
+    stage = make_plan(cfg, ParallelDims.from_config(cfg, 1), ACCELERATORS["H200"], batch, 1).stages[0]
+    assert abs(stage.allocated_bytes / 2**30 / measured - 1) < 0.05

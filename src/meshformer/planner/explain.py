@@ -43,9 +43,11 @@ def explain(plan: Plan) -> list[str]:
             f"steps {_g(m.optimizer_bytes)}; divided by tp {tp}, pp (this rank's layers), FSDP {dims.dp_shard}",
             f"  activations {_g(m.activations_bytes)} = {m.in_flight} micro-batch(es) in flight x the layers' sets "
             f"(+ last stage's norm and log-softmax T*V/t*4 = {_g(T * mc.vocab_size // tp * 4)}; + receive buffers)",
-            f"  + logits {_g(s.logits_bytes)}, recompute working set {_g(m.recompute_bytes)}, FSDP gathers "
+            f"  + logits {_g(s.logits_bytes)}, autocast's cached weight copies of recomputed layers "
+            f"{_g(m.autocast_cache_bytes)}, recompute working set {_g(m.recompute_bytes)}, FSDP gathers "
             f"{_g(s.fsdp_gathered_bytes)}; AdamW step temporaries {_g(s.optimizer_step_bytes)}",
-            f"  allocated = weights + AdamW states + max(activations + FSDP + max(logits, recompute) [+ gradients "
+            f"  allocated = weights + AdamW states + max(activations + FSDP + max(logits + cached copies, recompute) "
+            f"[+ gradients "
             f"when accumulating or pipelining], gradients + AdamW temporaries) = {_g(s.allocated_bytes)}",
             f"  reserved = allocated x {1 + FRAGMENTATION:.2f} + runtime {_g(plan.accelerator.runtime(plan.dims))} = "
             f"{_g(s.reserved_bytes)}; device {_g(plan.device_memory)}: headroom {_g(s.headroom_bytes)}",

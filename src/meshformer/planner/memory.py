@@ -20,9 +20,10 @@ n (norm dtype), a (compute dtype), tensor parallel degree t, sequence parallel d
 (q = heads x head_dim, kv = kv_heads x head_dim, f = ffn width.) Full recompute keeps each layer's input (T h, / t
 with SP) and recomputes one layer at a time in backward: that layer's set is `recompute_bytes`, apart from the saved
 activations (it is not saved for backward but made again in it; the loss's tensors are gone by then, so the peak is
-at most their sum). Autocast without data parallelism keeps a compute-dtype copy of every matmul weight, but a
-recomputed layer's (full or selective) are made again in its backward, with its set. The last stage adds the final
-norm and the log-softmax of the logits in softmax_compute_dtype (T x vocab / t under tensor parallel: loss
+at most their sum). Autocast without data parallelism keeps a compute-dtype copy of every matmul weight; a
+recomputed layer's (full or selective) are not saved for backward but live in autocast's cache to the forward's end
+(`autocast_cache_bytes`, beside the logits) and are made again in its backward, with its set. The last stage adds
+the final norm and the log-softmax of the logits in softmax_compute_dtype (T x vocab / t under tensor parallel: loss
 parallel). Token ids, labels and the rotary tables are the batch's and the model's memory, not activations. A stage
 holds as many micro-batches in flight as its schedule makes it (all of them under GPipe, pp - rank under 1F1B;
 multi-stage schedules are replayed from their own action list, planner/schedule.py), and a later stage keeps a
@@ -71,6 +72,9 @@ class StageMemory:
     in_flight: int  # micro-batches whose activations this rank holds at once
     recompute_bytes: int = 0  # one recomputed layer's activations, alive again during its backward
     swapped_bytes: int = 0  # activations swapped layers keep in host memory (swap_config), micro-batches in flight
+    # autocast's cache holds a compute-dtype copy of every weight it casts until the forward's autocast region ends;
+    # a recomputed layer's copies are not saved for backward, so they are counted here, apart from the activations
+    autocast_cache_bytes: int = 0
 
     @property
     def states_bytes(self) -> int:
@@ -78,7 +82,7 @@ class StageMemory:
 
     @property
     def total_bytes(self) -> int:
-        return self.states_bytes + self.activations_bytes + self.recompute_bytes
+        return self.states_bytes + self.activations_bytes + max(self.recompute_bytes, self.autocast_cache_bytes)
 
     def as_dict(self) -> dict:
         return {**asdict(self), "total_bytes": self.total_bytes}
@@ -391,7 +395,8 @@ def stage_memory(
         activations += n_micro * layer_input
     if casts_kept:
         activations += (matmul - recast) * dt["compute"]  # autocast's low-precision weight copies, one per region
-    return StageMemory(pp_rank, layers, params, grads, optim, activations, k, largest, host)
+    cache = recast * dt["compute"] if casts_kept else 0
+    return StageMemory(pp_rank, layers, params, grads, optim, activations, k, largest, host, cache)
 
 
 def _swapped_layers(cfg: MeshformerConfig, pieces: list) -> tuple[set[int], int]:

@@ -130,7 +130,7 @@ def make_plan(
         offload = cfg.parallel_config.cpu_offload and acc.name != "cpu"
         step_tmp = 0 if fused else st.grads_bytes  # foreach: one more copy of what it updates
         gathered = 2 * layer_params // dims.tp * a if dims.dp_shard > 1 else 0
-        working = st.activations_bytes + gathered + max(logits, st.recompute_bytes)
+        working = st.activations_bytes + gathered + max(logits + st.autocast_cache_bytes, st.recompute_bytes)
         # cpu_offload: the shards, gradients and optimizer states (and the step) live in host memory
         host = (st.states_bytes + step_tmp if offload else 0) + st.swapped_bytes
         early = st.grads_bytes if n_micro > 1 or dims.pp > 1 else 0  # gradients alive at the activation peak
