@@ -46,6 +46,8 @@ WORLD2 = [
     "tp2_sp_accum:wrapped",
     "fsdp2:bf16",
     "tp2:bf16",
+    "tp2_sp_sel:bf16",  # sequence parallelism gathers the norms' fp32 outputs; autocast casts them after
+    "tp2_sp_rc:bf16",  # recomputed layers: autocast's weight copies are not saved for backward
     "pp2_1f1b:bf16",
     "fsdp2:fp16",
     "tp2:fp16",

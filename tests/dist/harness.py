@@ -151,7 +151,7 @@ VARIANT_TRANSFORMS = {"wrapped": [ModelTransform("wrap decoder linears", lambda 
 
 VARIANT_CASES = {  # extra (case, variant) pairs beyond every case in fp32
     "tied": ["tp2_sp_accum", "dp2xtp2"],
-    "bf16": ["fsdp2", "tp2", "pp2_1f1b", "fsdp2xtp2_sp_rc"],
+    "bf16": ["fsdp2", "tp2", "tp2_sp_sel", "tp2_sp_rc", "pp2_1f1b", "fsdp2xtp2_sp_rc"],
     "fp16": ["fsdp2", "tp2", "pp2_1f1b", "dp2_accum", "fsdp2xtp2_sp_rc"],
     "wrapped": ["tp2_sp_accum", "dp2xtp2"],
     "lora": ["dp2", "tp2_sp_accum", "pp2_1f1b", "fsdp2", "dp2xtp2"],

@@ -282,7 +282,8 @@ def selective_layer_bytes(
     total += (T * (q + 2 * kv) + 2 * T * f) * a // tp + 2 * T * h * a  # q, k, v, gate, up; o and down (partial)
     total += T * q * a // tp + 4 * T * mc.num_heads // tp  # attention output, log-sum-exp
     if tp > 1:  # all-gathers before attention and MLP + reduce-scatters after (SP), or two all-reduces
-        total += (2 * T * h * a + 2 * T * h * a // tp) if sp else 2 * T * h * a
+        # SP gathers the norms' outputs, in the residual stream's dtype: autocast casts them later, in the linears
+        total += (2 * T * h * residual + 2 * T * h * a // tp) if sp else 2 * T * h * a
     outs = {"q": q // tp, "k": kv // tp, "v": kv // tp, "o": h, "gate": f // tp, "up": f // tp, "down": h}
     total += sum(T * r * a + T * outs[name] * a for name, r in (lora or {}).items())  # LoRA A and B outputs
     return total
