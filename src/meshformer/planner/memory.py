@@ -133,12 +133,9 @@ def states_bytes(cfg: MeshformerConfig, dims: ParallelDims, pp_rank: int) -> tup
     return params, grads, optim, layers, matmul
 
 
-def _layer_matmul_elements(piece, key: str, tp: int) -> int:
-    """Local elements of decoder layer `key`'s matmul weights (its 2-D parameters, tensor-parallel cut, whole
-    across FSDP: what autocast casts)."""
-    from meshformer.parallel.tp import resolve_plan
-
-    styles = resolve_plan(piece, piece.tp_plan()) if tp > 1 else {}
+def _layer_matmul_elements(piece, key: str, styles: dict[str, str], tp: int) -> int:
+    """Local elements of decoder layer `key`'s matmul weights (its 2-D parameters, tensor-parallel cut by the
+    piece's resolved `styles`, whole across FSDP: what autocast casts)."""
     total = 0
     for name, p in piece.layers[key].named_parameters(prefix=f"layers.{key}"):
         if p.dim() == 2:
@@ -304,6 +301,8 @@ def stage_memory(
     cfg: MeshformerConfig, dims: ParallelDims, pp_rank: int, micro_batch: int, n_micro: int
 ) -> StageMemory:
     """Predicted bytes of one rank of pipeline rank `pp_rank`."""
+    from meshformer.parallel.tp import resolve_plan
+
     mc, pc = cfg.model.model_config, cfg.parallel_config
     params, grads, optim, layers, matmul = states_bytes(cfg, dims, pp_rank)
     pieces = _pieces(cfg, dims, pp_rank)
@@ -328,6 +327,7 @@ def stage_memory(
         kept = kept_after_w = 0
         grad = s > 0 or any(p.requires_grad for p in piece.embed_tokens.parameters())
         n_rc, n_sel = _recomputed_layers(cfg, pp_rank, len(piece.layers))
+        styles = resolve_plan(piece, piece.tp_plan()) if dims.tp > 1 and max(n_rc, n_sel) else {}
         swap_host[s] = 0
         for i, (key, layer) in enumerate(piece.layers.items()):
             g = LayerGrads.of(layer)
@@ -337,13 +337,13 @@ def stage_memory(
                 largest = max(largest, (1 + swapped[1]) * full)
             elif i < n_rc:  # recomputed: keeps its input; its backward holds the full set again, one layer at a time
                 kept += layer_input if grad or grad_out else 0
-                recast += (cast := _layer_matmul_elements(piece, key, dims.tp))
+                recast += (cast := _layer_matmul_elements(piece, key, styles, dims.tp))
                 largest = max(largest, full + cast * dt["compute"] * casts_kept)
                 if kept_after_w is not None:  # the input outlives W; what the recompute makes dies within I
                     kept_after_w += layer_input if grad or grad_out else 0
             elif i < n_sel:  # selective: keeps the matmul, attention and collective outputs
                 kept += selective_layer_bytes(mc, T, tp, sp, dt["compute"], residual, g.lora)
-                recast += (cast := _layer_matmul_elements(piece, key, dims.tp))
+                recast += (cast := _layer_matmul_elements(piece, key, styles, dims.tp))
                 largest = max(largest, full + cast * dt["compute"] * casts_kept)
             else:
                 kept += full
