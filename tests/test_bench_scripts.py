@@ -85,3 +85,16 @@ def test_recompute_bench_measures_what_the_planner_predicts_in_bf16():
     assert [r[0] for r in rows] == ["none", "full", "selective"], p.stdout
     for mode, measured, predicted in rows:
         assert abs(float(predicted) - float(measured)) <= ACTIVATIONS_RTOL * float(measured), (mode, p.stdout)
+
+
+def test_ab_config_times_variants_alternating_in_one_process():
+    shape = ["--hidden", "64", "--layers", "2", "--heads", "4", "--kv-heads", "2", "--ffn", "128", "--vocab", "256"]
+    run = ["--seq", "32", "--batch", "2", "--steps", "2", "--warmup", "1"]
+    variants = ["", "recompute_config.recompute=true"]
+    cmd = [sys.executable, str(ROOT / "bench" / "ab_config.py"), *shape, *run, "--", *variants]
+    p = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    rows = re.findall(r"^  (\S+)\s+median ([\d.]+) s \(([+-][\d.]+)%\).*last loss ([\d.]+)$", p.stdout, re.M)
+    assert [r[0] for r in rows] == ["(defaults)", variants[1]], p.stdout
+    assert float(rows[0][2]) == 0.0
+    assert abs(float(rows[0][3]) - float(rows[1][3])) < 1e-4  # recompute changes the memory, not the numbers
