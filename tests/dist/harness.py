@@ -149,16 +149,6 @@ def _wrap_decoder_linears(model: nn.Module, cfg) -> None:
 # Variants that change the model through a model transform (the hook LoRA and friends use).
 VARIANT_TRANSFORMS = {"wrapped": [ModelTransform("wrap decoder linears", lambda cfg: True, _wrap_decoder_linears)]}
 
-VARIANT_CASES = {  # extra (case, variant) pairs beyond every case in fp32
-    "tied": ["tp2_sp_accum", "dp2xtp2"],
-    "bf16": ["fsdp2", "tp2", "tp2_sp_sel", "tp2_sp_rc", "pp2_1f1b", "fsdp2xtp2_sp_rc"],
-    "fp16": ["fsdp2", "tp2", "pp2_1f1b", "dp2_accum", "fsdp2xtp2_sp_rc"],
-    "wrapped": ["tp2_sp_accum", "dp2xtp2"],
-    "lora": ["dp2", "tp2_sp_accum", "pp2_1f1b", "fsdp2", "dp2xtp2"],
-    "packed": ["dp2_rc_accum", "tp2_sp_accum", "fsdp2", "dp2xtp2"],  # pipelines refuse packing
-    "compiled": ["dp2_rc_accum", "fsdp2", "pp2_1f1b", "dp2xpp2"],  # tensor parallelism refuses compile
-}
-
 
 def world_of(case: str) -> int:
     o = CASES[case][0]
