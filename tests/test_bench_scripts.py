@@ -27,6 +27,13 @@ def _env() -> dict:
     return {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
 
 
+def _run(cmd: list[str]) -> str:
+    """Run a bench script; its stdout, once it exited 0."""
+    p = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return p.stdout
+
+
 def _rows(path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
@@ -43,21 +50,19 @@ def test_gpu_bench_trains_the_tiny_preset_on_the_cpu_in_every_recompute_mode(tmp
     out = tmp_path / "rows.jsonl"
     modes = "none,selective,full"
     cmd = [sys.executable, str(ROOT / "bench" / "gpu_train.py"), *TINY, "--modes", modes, "--json", str(out)]
-    p = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=300)
-    assert p.returncode == 0, p.stderr[-3000:]
+    out_text = _run(cmd)
     rows = _rows(out)
     assert [r["mode"] for r in rows] == modes.split(",")
     for row in rows:
         _check_row(row, 1)
-    assert "| tiny | 4 | 64 x 2 | full |" in p.stdout  # the table a user reads
+    assert "| tiny | 4 | 64 x 2 | full |" in out_text  # the table a user reads
 
 
 def test_gpu_bench_under_torchrun_shards_with_fsdp(tmp_path):
     out = tmp_path / "rows.jsonl"
     script = str(ROOT / "bench" / "gpu_train.py")
     cmd = [*TORCHRUN, "--standalone", "--nproc-per-node", "2", script, *TINY, "--fsdp", "--modes", "full"]
-    p = subprocess.run([*cmd, "--json", str(out)], capture_output=True, text=True, env=_env(), timeout=300)
-    assert p.returncode == 0, p.stderr[-3000:]
+    _run([*cmd, "--json", str(out)])
     (row,) = _rows(out)
     assert row["fsdp"] is True
     _check_row(row, 2)
@@ -69,22 +74,20 @@ def test_bench_vs_hf_trains_both_sides_to_the_same_losses():
     shape = ["--hidden", "64", "--layers", "2", "--heads", "4", "--kv-heads", "2", "--ffn", "128", "--vocab", "256"]
     run = ["--seq", "32", "--batch", "2", "--steps", "2", "--warmup", "1", "--peak-flops", "1e11"]
     cmd = [sys.executable, str(ROOT / "bench" / "bench_vs_hf.py"), *shape, *run]
-    p = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=300)
-    assert p.returncode == 0, p.stderr[-3000:]
-    worst = re.search(r"max \|diff\| over all (\d+) steps: (\S+)", p.stdout)
-    assert worst and int(worst[1]) == 3 and float(worst[2]) <= 1e-5, p.stdout[-2000:]
-    assert re.search(r"ratio meshformer / HF: \d+\.\d+x", p.stdout)
+    out_text = _run(cmd)
+    worst = re.search(r"max \|diff\| over all (\d+) steps: (\S+)", out_text)
+    assert worst and int(worst[1]) == 3 and float(worst[2]) <= 1e-5, out_text[-2000:]
+    assert re.search(r"ratio meshformer / HF: \d+\.\d+x", out_text)
 
 
 def test_recompute_bench_measures_what_the_planner_predicts_in_bf16():
     shape = ["--hidden", "64", "--layers", "2", "--seq", "32", "--batch", "2", "--steps", "1", "--dtype", "bfloat16"]
     cmd = [sys.executable, str(ROOT / "bench" / "recompute.py"), *shape]
-    p = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=300)
-    assert p.returncode == 0, p.stderr[-3000:]
-    rows = re.findall(r"^\| (none|full|selective) \| ([\d.]+) MiB \| ([\d.]+) MiB \|", p.stdout, re.M)
-    assert [r[0] for r in rows] == ["none", "full", "selective"], p.stdout
+    out_text = _run(cmd)
+    rows = re.findall(r"^\| (none|full|selective) \| ([\d.]+) MiB \| ([\d.]+) MiB \|", out_text, re.M)
+    assert [r[0] for r in rows] == ["none", "full", "selective"], out_text
     for mode, measured, predicted in rows:
-        assert abs(float(predicted) - float(measured)) <= ACTIVATIONS_RTOL * float(measured), (mode, p.stdout)
+        assert abs(float(predicted) - float(measured)) <= ACTIVATIONS_RTOL * float(measured), (mode, out_text)
 
 
 def test_ab_config_times_variants_alternating_in_one_process():
@@ -92,9 +95,8 @@ def test_ab_config_times_variants_alternating_in_one_process():
     run = ["--seq", "32", "--batch", "2", "--steps", "2", "--warmup", "1"]
     variants = ["", "recompute_config.recompute=true"]
     cmd = [sys.executable, str(ROOT / "bench" / "ab_config.py"), *shape, *run, "--", *variants]
-    p = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=300)
-    assert p.returncode == 0, p.stderr[-3000:]
-    rows = re.findall(r"^  (\S+)\s+median ([\d.]+) s \(([+-][\d.]+)%\).*last loss ([\d.]+)$", p.stdout, re.M)
-    assert [r[0] for r in rows] == ["(defaults)", variants[1]], p.stdout
+    out_text = _run(cmd)
+    rows = re.findall(r"^  (\S+)\s+median ([\d.]+) s \(([+-][\d.]+)%\).*last loss ([\d.]+)$", out_text, re.M)
+    assert [r[0] for r in rows] == ["(defaults)", variants[1]], out_text
     assert float(rows[0][2]) == 0.0
     assert abs(float(rows[0][3]) - float(rows[1][3])) < 1e-4  # recompute changes the memory, not the numbers
