@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -14,6 +15,36 @@ CORPUS = sorted((ROOT / "data" / "shakespeare").glob("*.txt"))
 DIST = ROOT / "tests" / "dist"  # what torchrun launches: the parity harness and its workers
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 FP32_RTOL = 1e-5  # an fp32 parallel run against the single process: relative, per step
+EMPTY = str(Path(__file__).parent / "empty.yaml")  # a config file with nothing in it: every value from the overrides
+# A small transformers Llama config (the rest of a family's config on top); untied, so lm_head is its own tensor.
+HF_SMALL = dict(
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+)
+# The tiny dataset's model shape (tiny_overrides), as a transformers Llama config.
+TINY_HF_LLAMA = {
+    **HF_SMALL,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 32,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 1e4,
+}
+# A conversation with a system prompt and two assistant turns.
+TURNS = [
+    {"role": "system", "content": "You are terse."},
+    {"role": "user", "content": "Name a colour."},
+    {"role": "assistant", "content": "Blue."},
+    {"role": "user", "content": "Another one?"},
+    {"role": "assistant", "content": "Green, like grass."},
+]
 
 
 def torchrun_env() -> dict:
@@ -27,6 +58,97 @@ def rel(a: float, b: float) -> float:
     return abs(a - b) / max(abs(b), 1e-12)
 
 
+def refused(capsys, rc: int, *needles: str) -> str:
+    """Assert exit code 2 and one line on stderr naming every needle; return the line."""
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    assert err.count("\n") == 1 and err.startswith("meshformer: error: ") and "Traceback" not in err, err
+    for n in needles:
+        assert n in err, (n, err)
+    return err
+
+
+def fails(capsys, argv: list[str], *needles: str) -> str:
+    """Run the CLI; assert exit 2 and one line naming every needle; return the line."""
+    from meshformer.cli.main import main
+
+    capsys.readouterr()
+    return refused(capsys, main(argv), *needles)
+
+
+def save_hf_model(
+    out: Path,
+    tokenizer_dir: Path,
+    config: dict,
+    family: str = "Llama",
+    *,
+    spread: float = 0.05,
+    shard: str | None = None,
+    before_save=None,
+):
+    """A randomly initialised transformers `{family}ForCausalLM` of config (seed 0, weights spread by `spread` times
+    N(0, 1) beyond init, then `before_save(model)` under no_grad), saved to out (in shards of `shard` if given) with
+    the tokenizer files of tokenizer_dir; returns the model, in eval mode."""
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    model = getattr(transformers, f"{family}ForCausalLM")(getattr(transformers, f"{family}Config")(**config)).eval()
+    with torch.no_grad():
+        if spread:
+            for p in model.parameters():
+                p.add_(torch.randn_like(p) * spread)
+        if before_save is not None:
+            before_save(model)
+    model.save_pretrained(out, **({"max_shard_size": shard} if shard else {}))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(Path(tokenizer_dir) / name, Path(out) / name)
+    return model
+
+
+def tokens():
+    """A fixed batch of 2 x 24 token ids below 512."""
+    import torch
+
+    return torch.randint(0, 512, (2, 24), generator=torch.Generator().manual_seed(3))
+
+
+def imports_with_its_logits(reference, src: Path, out: Path, capsys):
+    """`import --verify` src to out; assert meshformer's logits there are reference's (transformers) within 1e-4
+    (fp32) on tokens(); return (the tokens, reference's logits, the imported checkpoint's config)."""
+    import torch
+
+    from meshformer.checkpoint.inference import load_for_inference
+    from meshformer.cli.main import main
+
+    x = tokens()
+    with torch.no_grad():
+        want = reference(x).logits
+    assert main(["import", str(src), "--output", str(out), "--verify"]) == 0
+    assert "max |logit difference|" in capsys.readouterr().out
+    ours, cfg, _ = load_for_inference(out)
+    with torch.no_grad():
+        got = ours(x)
+    assert want.abs().amax() > 0.1
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    return x, want, cfg
+
+
+def transformers_render(template: str, messages, add_generation_prompt: bool) -> str:
+    """What transformers' `apply_chat_template` renders for template (a word-level tokenizer, bos <s>, eos </s>)."""
+    transformers = pytest.importorskip("transformers")
+    from tokenizers import Tokenizer, models
+
+    tok = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer(models.WordLevel({"<s>": 0, "</s>": 1, "x": 2}, unk_token="x")),
+        bos_token="<s>",
+        eos_token="</s>",
+    )
+    return tok.apply_chat_template(
+        messages, chat_template=template, tokenize=False, add_generation_prompt=add_generation_prompt
+    )
+
+
 @pytest.fixture(scope="session")
 def tiny_dataset(tmp_path_factory) -> Path:
     """Two plays, byte-level BPE with 512 tokens, packed; returns the dataset directory."""
@@ -38,6 +160,12 @@ def tiny_dataset(tmp_path_factory) -> Path:
     train_tokenizer(files, 512, str(root / "tok"))
     preprocess(files, str(root / "tok"), str(root / "data"), val_fraction=0.05)
     return root / "data"
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tiny_dataset) -> Path:
+    """The tiny dataset's tokenizer (byte-level BPE, 512 tokens, ChatML template)."""
+    return tiny_dataset.parent / "tok"
 
 
 def tiny_overrides(dataset: Path, out: Path, extra: dict | None = None) -> list[str]:
