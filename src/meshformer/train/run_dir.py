@@ -1,29 +1,36 @@
 """What a run may do with its output_dir, decided on rank 0 and told to every rank.
 
 - One run at a time: rank 0 holds an exclusive lock on `{output_dir}/.lock` (released by the kernel when the
-  process dies, so a restarted job gets it back); a second run refuses in one line naming the holder.
-- Nothing is lost: a run replaces an earlier one (`overwrite_output_dir: true`) by moving it aside into
-  `{output_dir}/.replaced-<time>/` once its own model is built and loaded, and deletes that copy only after
-  saving its first checkpoint. A run that fails before then leaves the old run there, intact (restore it with
-  `mv`); the next run says so.
+  process dies, so a restarted job gets it back); a second run refuses in one line naming the holder. An
+  output_dir this process cannot write (permissions, a read-only filesystem) is refused there, before anything.
+- Nothing is lost: a run replaces an earlier one (`overwrite_output_dir: true`, or `auto` after an attempt that
+  died before its first save) by moving meshformer's own files (`own_files`) aside into
+  `{output_dir}/.replaced-<time>-<pid>/` once its own model is built and loaded; a user's files stay where they
+  are. That copy is deleted, file by file as it was moved, only after this run saved its first checkpoint. A run
+  that fails before then leaves the old run there, intact; the next run says so and how to restore it.
 - Resume picks the newest checkpoint that verifies in full and names the newer ones it skipped and why; it
-  never restarts at step 0 over an existing metrics.jsonl (that needs overwrite_output_dir).
+  never restarts at step 0 over checkpoints that are all unusable, nor (`true`) over an existing metrics.jsonl:
+  that needs overwrite_output_dir.
 - Leftovers of killed saves (`step_N.tmp`, `step_N.old`) are removed at start.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import fcntl
 import json
 import os
 import shutil
 import socket
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 from meshformer.checkpoint import store
 from meshformer.errors import UserError
+from meshformer.observe.journal import SUMMARY
 
 LOCK = ".lock"
 RESTART_WAIT_S = 90  # how long a restarted attempt waits for its previous attempt's rank 0 to let go
@@ -50,6 +57,7 @@ class RunDir:
         self.out, self.env, self.log = Path(out), env, log
         self._lock_fd: int | None = None
         self.aside: Path | None = None  # where the replaced run went, until the first save
+        self.moved: list[str] = []  # what went there, relative to output_dir and to aside alike
 
     # ---- locking ------------------------------------------------------------------------------------------
     def lock(self) -> None:
@@ -57,11 +65,20 @@ class RunDir:
         on_rank0(self.env, self._lock)
 
     def _lock(self) -> None:
-        if self.out.exists() and not self.out.is_dir():
-            raise UserError(f"output_dir={str(self.out)!r} is a file: give a directory")
-        self.out.mkdir(parents=True, exist_ok=True)
-        path = self.out / LOCK
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            if self.out.exists() and not self.out.is_dir():
+                raise UserError(f"output_dir={str(self.out)!r} is a file: give a directory")
+            self.out.mkdir(parents=True, exist_ok=True)
+            # An existing .lock opens even in a directory that refuses new files: probe with a file of our own.
+            probe_fd, probe = tempfile.mkstemp(prefix=".meshformer-probe-", dir=self.out)
+            os.close(probe_fd)
+            os.unlink(probe)
+            fd = os.open(self.out / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise UserError(
+                f"output_dir={str(self.out)!r} is not writable ({e.strerror or e}): choose an output_dir on a "
+                f"writable filesystem, or give this user write permission there"
+            ) from None
         job = os.environ.get("TORCHELASTIC_RUN_ID", "")
         deadline = time.monotonic() + RESTART_WAIT_S
         while True:
@@ -88,7 +105,7 @@ class RunDir:
         for p in sorted(self.out.glob(REPLACED + "*")):
             self.log(
                 f"note: {p} holds a run that an earlier overwrite moved aside and did not finish replacing; "
-                f"restore it with `mv {p}/* {self.out}/` or delete it"
+                f"restore it with `cp -a {p}/. {self.out}/ && rm -r {p}` or delete it"
             )
 
     def unlock(self) -> None:
@@ -125,14 +142,19 @@ class RunDir:
         def pick():
             good, skipped = store.newest_good(self.out)
             notes = [f"skipped checkpoint {c}: {why}" for c, why in skipped]
-            if good is None and not overwrite and mode != "auto":
+            if good is None and not overwrite:
+                # Checkpoints that are all unusable may still be repaired (intact shards, an earlier copy):
+                # starting over would move them aside and delete them after the first save.
                 if skipped:
                     raise UserError(
-                        f"resume_training: no usable checkpoint in {self.out} ("
+                        f"resume_training: {str(mode).lower()}: no usable checkpoint in {self.out} ("
                         + "; ".join(f"{c.name}: {w}" for c, w in skipped)
-                        + "): set overwrite_output_dir: true to start over, or load_checkpoint: an earlier copy"
+                        + "): nothing was changed; repair or remove them, set overwrite_output_dir: true to start "
+                        "over (the old run is kept until the new one saves), or choose another output_dir"
                     )
-                if (self.out / "metrics.jsonl").exists():
+                # auto: metrics.jsonl without any checkpoint is an attempt that died before its first save,
+                # replaced (moved aside, deleted after this run's first save) like overwrite_output_dir does.
+                if mode != "auto" and (self.out / "metrics.jsonl").exists():
                     raise UserError(
                         f"resume_training: {self.out} has metrics.jsonl but no checkpoint to resume from: set "
                         f"overwrite_output_dir: true to start over (the old run is kept until the new one "
@@ -161,27 +183,100 @@ class RunDir:
             )
         return existing and not resuming_here
 
-    def replace_old(self) -> None:
-        """Move the earlier run aside (rank 0). Called once this run has built and loaded its model."""
+    def replace_old(self, tensorboard_dir: str = "") -> None:
+        """Move the earlier run's own files aside (rank 0), keeping everything else in output_dir. Called once
+        this run has built and loaded its model. A move that fails puts back what had moved and refuses."""
 
         def move():
+            moved: list[str] = []
+            # mkdtemp: a unique name even for two replacing runs of one process within a second
             aside = self.out / f"{REPLACED}{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
-            aside.mkdir()
-            for name in ("checkpoint", "metrics.jsonl", "memory.json", "run_summary.json", "profile"):
-                if (self.out / name).exists():
-                    (self.out / name).rename(aside / name)
-            return str(aside)
+            try:
+                aside = Path(tempfile.mkdtemp(prefix=f"{aside.name}-", dir=self.out))
+                for rel in own_files(self.out, tensorboard_dir):
+                    (aside / rel).parent.mkdir(parents=True, exist_ok=True)
+                    (self.out / rel).rename(aside / rel)
+                    moved.append(rel)
+            except OSError as e:
+                for rel in reversed(moved):
+                    (aside / rel).rename(self.out / rel)
+                if aside.is_dir():
+                    _remove_empty_dirs(aside)
+                raise UserError(
+                    f"output_dir={str(self.out)!r}: could not move the earlier run aside ({e.strerror or e}: "
+                    f"{e.filename}); it is as it was: make output_dir writable (one filesystem), or choose another "
+                    f"output_dir"
+                ) from None
+            return str(aside), moved
 
-        self.aside = Path(on_rank0(self.env, move))
-        self.log(f"the earlier run in {self.out} is moved to {self.aside}; it is deleted when this run has saved")
+        aside, self.moved = on_rank0(self.env, move)
+        self.aside = Path(aside)
+        self.log(
+            f"the earlier run in {self.out} ({len(self.moved)} of meshformer's files or checkpoints; other files "
+            f"stay) is moved to {self.aside}; it is deleted when this run has saved"
+        )
 
     def saved(self) -> None:
-        """A checkpoint of this run is complete: the replaced run is no longer needed."""
-        if self.aside is not None:
-            if self.env.rank == 0:
-                shutil.rmtree(self.aside, ignore_errors=True)
+        """A checkpoint of this run is complete: the replaced run is no longer needed. Only what `replace_old`
+        moved is deleted; anything else found in the copy (put there since) stays, and the log says so."""
+        if self.aside is None:
+            return
+
+        def delete():
+            for rel in self.moved:
+                p = self.aside / rel
+                if p.is_dir() and not p.is_symlink():
+                    shutil.rmtree(p, ignore_errors=True)
+                else:
+                    with contextlib.suppress(OSError):  # already gone, or not ours to force: it stays
+                        p.unlink()
+            with contextlib.suppress(OSError):
+                _remove_empty_dirs(self.aside)
+            return self.aside.exists()
+
+        if on_rank0(self.env, delete):
+            self.log(
+                f"deleted the replaced run from {self.aside}; it stays: it holds files this run did not move there"
+            )
+        else:
             self.log(f"deleted the replaced run {self.aside}")
-            self.aside = None
+        self.aside = None
+
+
+def own_files(out: Path, tensorboard_dir: str = "") -> list[str]:
+    """What an earlier run wrote into `out`, relative to it: checkpoint/step_N directories, metrics.jsonl,
+    memory.json, run_summary.json, the profiler's files, and TensorBoard event files when tensorboard_dir lies
+    inside `out`. Nothing else there is meshformer's (a user's notes, a file inside checkpoint/), so a
+    replacing run leaves it in place."""
+    rels = [c.relative_to(out).as_posix() for c in store.list_checkpoints(out)]
+    rels += [name for name in ("metrics.jsonl", "memory.json", SUMMARY) if (out / name).is_file()]
+    for pattern in PROFILE_FILES:
+        rels += sorted(p.relative_to(out).as_posix() for p in (out / "profile").glob(pattern) if p.is_file())
+    if tensorboard_dir:
+        tb, root = Path(tensorboard_dir).resolve(), out.resolve()
+        if tb == root or root in tb.parents:
+            rels += sorted(
+                (tb.relative_to(root) / p.name).as_posix() for p in tb.glob("events.out.tfevents.*") if p.is_file()
+            )
+    return rels
+
+
+PROFILE_FILES = ("trace_rank*.json", "top_ops_rank*.txt", "memory_rank*.pickle")  # observe/profile.py
+
+
+def _remove_empty_dirs(top: Path) -> None:
+    """Remove `top` and the directories below it that are empty (deepest first); never a file."""
+    for d in sorted((p for p in top.rglob("*") if p.is_dir() and not p.is_symlink()), key=lambda p: -len(p.parts)):
+        try:
+            d.rmdir()
+        except OSError as e:
+            if e.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+                raise
+    try:
+        top.rmdir()
+    except OSError as e:
+        if e.errno not in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOENT):
+            raise
 
 
 def _now() -> str:
