@@ -1,14 +1,23 @@
 """`meshformer launch --nproc N CONFIG [--section.field VALUE ...]`: torchrun on one node, layout checked first.
 
-A thin wrapper: it checks that data_parallel x model_parallel x pipeline_stage equals N (one line, exit 2,
-no processes started), then runs `python -m torch.distributed.run --standalone --nproc-per-node N
--m meshformer train CONFIG ...`. For several nodes call torchrun directly on each node (docs/parallelism.md).
+It checks that data_parallel x model_parallel x pipeline_stage equals N (one line, exit 2, no processes
+started), then runs torchrun's agent (`torch.distributed.run --standalone --nproc-per-node N -m meshformer train
+CONFIG ...`) in this process, so that it owns the workers (cli/launch_workers.py):
+
+- SIGTERM, SIGINT and SIGUSR1 go to the workers, which save at the next step and exit 0; then so does launch.
+  The agent itself is not told (it would stop the workers and report a failure); SIGHUP and SIGQUIT stay
+  torchrun's (stop the workers).
+- The workers die with it, even on SIGKILL (their death signal is tied to this process, train/preemption.py).
+- Workers' errors reach the user once: each distinct `meshformer:` line is printed once, and the agent's own
+  report is replaced by the exit code: 2 where a worker found a bad input, 1 otherwise, with one line naming the
+  rank when no worker said why.
+
+For several nodes call torchrun directly on each node (docs/parallelism.md).
 """
 
 from __future__ import annotations
 
 import shlex
-import subprocess
 import sys
 
 
@@ -53,4 +62,6 @@ def run(args) -> int:
     if args.print_command:
         print(shlex.join(cmd))
         return 0
-    return subprocess.call(cmd)
+    from meshformer.cli.launch_workers import supervise
+
+    return supervise(cmd[3:], cfg.runner_config.preemption_grace_seconds)

@@ -11,6 +11,7 @@ import importlib
 import sys
 
 from meshformer.errors import RunFailed, UserError
+from meshformer.train.preemption import StoppedBeforeTraining
 
 # Sub-command modules, in the order `meshformer --help` lists them.
 COMMANDS = (
@@ -48,11 +49,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def command_options(parser: argparse.ArgumentParser, argv: list[str]) -> dict[str, argparse.Action]:
-    """Option strings (--seed, ...) of the sub-command named first in argv, with their actions."""
+    """Option strings (--seed, ...) of the sub-command named first in argv, with their actions, and of its own
+    sub-command (`ckpt merge --optimizer`: `--optimizer` is merge's flag, not the `optimizer` config section)."""
     for action in parser._subparsers._group_actions if parser._subparsers else ():
         sub = getattr(action, "choices", {}).get(argv[0]) if argv else None
         if sub is not None:
-            return dict(sub._option_string_actions)
+            return {**dict(sub._option_string_actions), **command_options(sub, argv[1:])}
     return {}
 
 
@@ -105,6 +107,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("meshformer: interrupted", file=sys.stderr)
         return 130
+    except StoppedBeforeTraining as e:  # preemption before the first step: nothing to save, a clean stop
+        print(f"meshformer: {e}", flush=True)
+        return 0
 
 
 if __name__ == "__main__":

@@ -22,17 +22,19 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    from meshformer.config.load import load_config
-    from meshformer.train.preemption import die_with_parent
-    from meshformer.train.trainer import run_training
+    from meshformer.train.preemption import StopBeforeTraining, die_with_parent
 
     die_with_parent()  # under torchrun: a killed launcher takes its workers with it
-    notices: list[str] = []
-    overrides = list(args.overrides)
-    if args.profile is not None:
-        overrides = [*profile_overrides(args.profile), *overrides]
-    cfg = load_config(args.config, overrides, notices=notices)
-    run_training(cfg, notices)
+    with StopBeforeTraining():  # before torch is imported: a stop signal during set-up ends the command, exit 0
+        from meshformer.config.load import load_config
+        from meshformer.train.trainer import run_training
+
+        notices: list[str] = []
+        overrides = list(args.overrides)
+        if args.profile is not None:
+            overrides = [*profile_overrides(args.profile), *overrides]
+        cfg = load_config(args.config, overrides, notices=notices)
+        run_training(cfg, notices)
     return 0
 
 
