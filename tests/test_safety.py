@@ -331,14 +331,15 @@ def test_ckpt_info_verify_and_merge(tiny_dataset, tmp_path, capsys):
     text = capsys.readouterr().out
     assert "step_00000001: ok" in text and f"step_00000002: BAD: model/{shard.name} does not match its checksum" in text
 
-    merged = tmp_path / "merged.safetensors"
+    merged = tmp_path / "merged"  # a Hugging Face directory (tests/test_ckpt_faults.py: transformers loads it)
     assert main(["ckpt", "merge", str(out), "--output", str(merged)]) == 0  # falls back to step 1
     captured = capsys.readouterr()
     assert "skipped checkpoint" in captured.err and "step_00000001" in captured.out
     model, _, _ = load_for_inference(store.checkpoint_root(out) / "step_00000001")
-    tensors = load_file(str(merged))
-    assert tensors.keys() == model.state_dict().keys()
-    assert all(torch.equal(tensors[k], v) for k, v in model.state_dict().items())
+    tensors = load_file(str(merged / "model.safetensors"))
+    hf = {(k if k == "lm_head.weight" else f"model.{k}"): v for k, v in model.state_dict().items()}
+    assert tensors.keys() == hf.keys()
+    assert all(torch.equal(tensors[k], v) for k, v in hf.items())
     before = checksums(tmp_path)
     assert main(["ckpt", "merge", str(out), "--output", str(merged)]) == 2  # no silent overwrite
     assert "already exists" in capsys.readouterr().err and checksums(tmp_path) == before

@@ -1,7 +1,9 @@
 """Reading and writing Hugging Face model directories (config.json, safetensors shards + index, tokenizer files).
 
 Reading accepts `model.safetensors`, sharded `model-*.safetensors` with `model.safetensors.index.json`, or
-`pytorch_model*.bin` read with `torch.load(weights_only=True)` (tensors only: never unpickles code). Names are
+`pytorch_model*.bin` read with `torch.load(weights_only=True)` (tensors only: never unpickles code; a file it
+refuses is one line saying to convert it to safetensors). Every file an index names must be inside the directory
+(no `../`, no absolute path, no symlink out but a hub cache snapshot's into its own `blobs/`). Names are
 translated to meshformer's by dropping the `model.` prefix; a tied `lm_head.weight` is dropped; old checkpoints'
 `rotary_emb.inv_freq` buffers are skipped (meshformer computes them).
 
@@ -19,6 +21,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from meshformer.checkpoint.contents import outside
 from meshformer.checkpoint.source import SourceModel
 from meshformer.errors import UserError
 
@@ -42,13 +45,31 @@ def _read_json(path: Path) -> dict:
     return data
 
 
+def hf_roots(d: Path) -> tuple[Path, ...]:
+    """Where a model directory's files may live besides the directory itself: a Hugging Face hub cache snapshot
+    (`models--org--name/snapshots/<rev>/`) holds symlinks into its repository's `blobs/`, two levels up."""
+    return (d.parent.parent,) if d.parent.name == "snapshots" else ()
+
+
+def _inside(d: Path, rel: object, where: str) -> Path:
+    """`d / rel` when it stays inside `d` (or its hub cache repository), else a one-line error naming the entry;
+    nothing outside is opened."""
+    why = outside(d, rel, hf_roots(d))
+    if why is not None:
+        raise UserError(f"{where}: weight file {why}: a model directory's files must be inside it")
+    return d / rel
+
+
 def _weight_files(d: Path) -> list[Path]:
     for index_name, single in ((SAFETENSORS_INDEX, "model.safetensors"), (BIN_INDEX, "pytorch_model.bin")):
         if (d / index_name).is_file():
-            weight_map = _read_json(d / index_name).get("weight_map")
+            weight_map = _read_json(_inside(d, index_name, str(d))).get("weight_map")
             if not isinstance(weight_map, dict) or not weight_map:
                 raise UserError(f"{d / index_name}: no weight_map")
-            files = [d / f for f in sorted(set(weight_map.values()))]
+            bad = next((k for k, v in weight_map.items() if not isinstance(v, str)), None)
+            if bad is not None:
+                raise UserError(f"{d / index_name}: weight_map[{bad!r}] is {weight_map[bad]!r}, not a file name")
+            files = [_inside(d, f, f"{d / index_name}") for f in sorted(set(weight_map.values()))]
             missing = [f.name for f in files if not f.is_file()]
             if missing:
                 raise UserError(
@@ -57,7 +78,7 @@ def _weight_files(d: Path) -> list[Path]:
                 )
             return files
         if (d / single).is_file():
-            return [d / single]
+            return [_inside(d, single, str(d))]
     raise UserError(f"{d}: no weights found (model.safetensors, {SAFETENSORS_INDEX}, pytorch_model.bin or {BIN_INDEX})")
 
 
@@ -69,13 +90,35 @@ def _read_tensors(files: list[Path]) -> dict[str, torch.Tensor]:
                 with safe_open(str(f), framework="pt") as sf:
                     part = {k: sf.get_tensor(k) for k in sf.keys()}
             else:
-                part = torch.load(f, map_location="cpu", weights_only=True, mmap=True)
+                part = _load_bin(f)
         except (SafetensorError, OSError, RuntimeError, ValueError) as e:
             raise UserError(f"{f}: unreadable weights ({str(e).splitlines()[0][:160]})") from None
         if not isinstance(part, dict) or not all(torch.is_tensor(v) for v in part.values()):
             raise UserError(f"{f}: expected a mapping of tensor names to tensors")
         tensors.update(part)
     return tensors
+
+
+def _load_bin(f: Path) -> object:
+    """A `pytorch_model.bin` through `torch.load(weights_only=True)`: tensors and plain containers only. Whatever
+    it refuses (pickled objects that could run code) or fails on (a truncated zip, a pre-1.6 non-zip file, any
+    other bytes) is one line naming the file: torch raises many exception types on hostile input."""
+    import pickle
+
+    try:
+        return torch.load(f, map_location="cpu", weights_only=True, mmap=True)
+    except pickle.UnpicklingError:
+        raise UserError(
+            f"{f}: holds pickled objects other than tensors, which meshformer never unpickles (torch.load "
+            f"weights_only=True refused it): convert it to safetensors where you trust its source, e.g. "
+            f"transformers' AutoModelForCausalLM.from_pretrained(dir).save_pretrained(out)"
+        ) from None
+    except Exception as e:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:100]
+        raise UserError(
+            f"{f}: not a readable PyTorch weights file ({first}): it is truncated or damaged, or an old "
+            f"non-zip torch.save file; copy it again, or convert it to safetensors where you trust its source"
+        ) from None
 
 
 def read_tokenizer_files(d: Path) -> tuple[str | None, dict]:

@@ -4,7 +4,8 @@ A save writes its shards and small files into `step_N.tmp`, then `manifest.json`
 an atomic replace), then renames the directory. A directory without a manifest, with a file missing, of the
 wrong size or with other bytes than the manifest says, is not a checkpoint: resume skips it (saying why) and
 `meshformer ckpt verify` names the bad file. Bit rot, a truncated copy or a half-finished rsync all show up here
-instead of as a model that silently trains from damaged weights.
+instead of as a model that silently trains from damaged weights. A manifest is only as good as its writer, so the
+shards are also checked for what they are (checkpoint/contents.py), and no entry may point outside the directory.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ import hashlib
 import json
 import os
 from pathlib import Path
+
+from meshformer.checkpoint.contents import dcp_problem, outside, read_header
 
 MANIFEST = "manifest.json"
 FORMAT = "meshformer-checkpoint-v1"
@@ -56,7 +59,10 @@ def read_manifest(directory: Path) -> dict | None:
 def verify(directory: Path, full: bool = True) -> str | None:
     """None when the checkpoint is complete and intact, else the reason (naming the file) it is not.
 
-    full=False checks presence and sizes only (cheap: used when listing); full=True also every checksum.
+    full=False checks presence and sizes only (cheap: used when listing); full=True also every checksum. Both
+    refuse an entry that leaves the directory (`../x`, an absolute path, a symlink out: never opened), a
+    shard DCP would read that the manifest does not list, and a shard that is not what it claims to be
+    (checkpoint/contents.py: its safetensors header, offsets and DCP shard map; no tensor data is read).
     """
     directory = Path(directory)
     if not directory.is_dir():
@@ -65,6 +71,12 @@ def verify(directory: Path, full: bool = True) -> str | None:
     if m is None:
         what = "malformed" if (directory / MANIFEST).exists() else "missing"
         return f"{MANIFEST} is {what} (an interrupted or foreign save)"
+    for rel, info in m["files"].items():  # every entry first: a hostile one is refused before any file is read
+        why = outside(directory, rel)
+        if why is not None:
+            return f"{MANIFEST} entry {why}"
+        if not isinstance(info, dict):
+            return f"{MANIFEST} entry {rel!r} has no size and checksum"
     for rel, info in m["files"].items():
         p = directory / rel
         if not p.is_file():
@@ -74,4 +86,26 @@ def verify(directory: Path, full: bool = True) -> str | None:
             return f"{rel} has {size} bytes, the manifest says {info.get('bytes')} (truncated or replaced)"
         if full and file_sha256(p) != info.get("sha256"):
             return f"{rel} does not match its checksum (corrupted)"
+    return content_problem(directory, set(m["files"]))
+
+
+def content_problem(directory: Path, listed: set[str]) -> str | None:
+    """Why the files of a checkpoint whose manifest holds are still not a checkpoint (a forged manifest, a shard
+    dropped in beside the listed ones), or None."""
+    for sub in ("model", "optim"):
+        d = directory / sub
+        if not d.is_dir():
+            continue
+        shards = sorted(p for p in d.iterdir() if p.name.endswith(".safetensors"))  # what DCP's reader takes
+        foreign = [p for p in shards if p.relative_to(directory).as_posix() not in listed]
+        if foreign:
+            return f"{foreign[0].relative_to(directory).as_posix()} is not in the manifest (a foreign file)"
+        why = dcp_problem(shards, directory)
+        if why is not None:
+            return why
+    for rel in sorted(listed):
+        if rel.endswith(".safetensors") and rel.split("/")[0] not in ("model", "optim"):
+            got = read_header(directory / rel)
+            if isinstance(got, str):
+                return f"{rel} {got}"
     return None

@@ -13,7 +13,8 @@ Saving (in line or in the background) is `saver.py`: a save goes to `step_N.tmp`
 then replaces `step_N`, so a crash never leaves a half checkpoint that resume would pick, and a failed save
 (a full disk) leaves every earlier checkpoint as it was. This module finds, verifies, loads and prunes
 checkpoints; loading verifies the manifest and is strict: every tensor of the model present with its shape,
-and nothing else.
+and nothing else. "Verifies" covers what the files are too, not only their checksums (manifest.verify): a shard
+swapped in with a manifest rewritten to match is a bad checkpoint, which resume skips like any other.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
+from safetensors import SafetensorError
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -104,12 +106,17 @@ def resolve_checkpoint(path: str | Path, notes: list[str] | None = None) -> Path
 
 
 def clean_leftovers(output_dir: str | Path) -> list[Path]:
-    """Remove `step_N.tmp` / `step_N.old` directories that a killed save left behind (names only saves create)."""
+    """Remove `step_N.tmp` / `step_N.old` directories that a killed save left behind (names only saves create).
+    A `step_N.old` without its `step_N` is that step's one complete copy (a save killed between the two renames
+    of `saver.replace_dir`): it is renamed back to `step_N`, which resume then verifies like any other."""
     root = checkpoint_root(output_dir)
     gone = []
     if root.is_dir():
-        for p in root.iterdir():
+        for p in sorted(root.iterdir()):
             if p.is_dir() and re.match(r"^step_\d+\.(tmp|old)$", p.name):
+                if p.suffix == ".old" and not (root / p.stem).exists():
+                    p.rename(root / p.stem)
+                    continue
                 shutil.rmtree(p, ignore_errors=True)
                 gone.append(p)
     return gone
@@ -161,7 +168,7 @@ def checkpoint_shapes(path: Path) -> dict[str, tuple[int, ...]]:
     """{tensor name: shape} of a checkpoint's model weights."""
     try:
         meta = tensor_metadata(path / "model")
-    except (OSError, ValueError, KeyError, RuntimeError) as e:
+    except (OSError, ValueError, KeyError, RuntimeError, SafetensorError) as e:
         raise UserError(f"checkpoint {str(path)!r}: its model metadata is unreadable ({reason(e)})") from None
     return {k: tuple(v.size) for k, v in meta.items()}
 
@@ -231,7 +238,7 @@ def _dcp_load(sd: dict, where: Path) -> None:
     """DCP load whose failures (missing tensors, wrong shapes) become a one-line UserError."""
     try:
         dcp_call(dcp.load, sd, storage_reader=dcp.HuggingFaceStorageReader(str(where)))
-    except (CheckpointException, RuntimeError, ValueError, KeyError) as e:
+    except (CheckpointException, RuntimeError, ValueError, KeyError, SafetensorError) as e:
         detail = str(e).strip().splitlines()[-1][:200] if str(e).strip() else type(e).__name__
         raise UserError(
             f"checkpoint {str(where.parent)!r} does not fit this model ({detail}): use the model "

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import torch
@@ -11,7 +12,9 @@ import torch.distributed.checkpoint as dcp
 import yaml
 
 from meshformer.checkpoint import store
+from meshformer.checkpoint.contents import read_header
 from meshformer.checkpoint.manifest import read_manifest, verify
+from meshformer.config.load import load_yaml_text
 from meshformer.errors import UserError
 
 
@@ -37,7 +40,11 @@ def info(ckpt: Path) -> dict:
     except (OSError, ValueError):
         out["step"] = None
     try:
-        mc = (yaml.safe_load((ckpt / "config.yaml").read_text()) or {}).get("model", {}).get("model_config", {})
+        mc = (
+            (load_yaml_text((ckpt / "config.yaml").read_text(), f"{ckpt}/config.yaml") or {})
+            .get("model", {})
+            .get("model_config", {})
+        )
         out["model"] = {
             k: mc.get(k)
             for k in (
@@ -86,29 +93,76 @@ def full_verify(ckpt: Path) -> str | None:
     return None
 
 
+MERGE_INFO = "merge_info.json"  # marks a directory `ckpt merge` wrote: the only kind --overwrite replaces
+OPTIMIZER_FILE = "optimizer.safetensors"
+
+
 def merge(ckpt: Path, output: Path, overwrite: bool = False, with_optimizer: bool = False) -> dict:
-    """All model tensors (and optionally optimizer state under `optim.`), whatever layout saved them, into one
-    safetensors file (written to a temporary name, then renamed: an existing file is replaced only with
-    `overwrite`, and only once the new one is complete)."""
+    """The checkpoint, whatever layout saved it, as one Hugging Face model directory of full tensors: what
+    `export` writes (config.json, safetensors weights in the checkpoint's dtype and Hugging Face names, tokenizer
+    files; a LoRA run's adapters merged in), so transformers, `load_checkpoint` and `run_mode: finetune` take it
+    as it is; with `with_optimizer` also `optimizer.safetensors` (AdamW's tensors, `state.<weight name>.<stat>`).
+
+    Built under a temporary name and renamed: an existing `output` is replaced only with `overwrite`, only when
+    an earlier merge wrote it, and only once the new one is complete."""
+    from meshformer.checkpoint.convert import export_model
+    from meshformer.config.load import load_config
+
+    if output.suffix == ".safetensors":
+        raise UserError(
+            f"--output={str(output)!r}: merge writes a Hugging Face model directory (config.json, "
+            f"model.safetensors, tokenizer): name a directory, e.g. {str(output.with_suffix(''))!r}"
+        )
+    if output.exists() and not (overwrite and (output / MERGE_INFO).is_file()):
+        hint = "pass --overwrite to replace it" if not overwrite else "--overwrite replaces only a merge's output"
+        raise UserError(f"--output={str(output)!r} already exists: {hint}, or choose another path")
+    dtype = load_config(ckpt / "config.yaml").model.model_config.param_init_type
+    output.parent.mkdir(parents=True, exist_ok=True)
+    tmp = output.with_name(f".{output.name}.tmp-merge-{os.getpid()}")
+    old = output.with_name(f".{output.name}.old-merge-{os.getpid()}")
+    for leftover in (tmp, old):  # names only a merge creates (a killed one's)
+        shutil.rmtree(leftover, ignore_errors=True)
+    try:
+        export_model(ckpt, tmp, dtype=dtype, merge_lora=True)
+        n_optim = _write_optimizer(ckpt, tmp / OPTIMIZER_FILE) if with_optimizer else 0
+        state = json.loads((ckpt / "trainer_state.json").read_text())
+        info = {"source": str(ckpt), "step": state.get("step"), "dtype": dtype, "optimizer_tensors": n_optim}
+        (tmp / MERGE_INFO).write_text(json.dumps(info, indent=1))
+        if output.exists():
+            output.rename(old)
+        tmp.rename(output)
+    except BaseException:
+        if old.exists() and not output.exists():
+            old.rename(output)
+        raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    shutil.rmtree(old, ignore_errors=True)  # the earlier merge, once the new one is in place
+    weights = sorted(output.glob("model*.safetensors"))
+    n = sum(len(read_header(f)[0]) for f in weights)
+    return {
+        "tensors": n,
+        "optimizer_tensors": n_optim,
+        "output": str(output),
+        "dtype": dtype,
+        "bytes": sum(f.stat().st_size for f in output.iterdir()),
+    }
+
+
+def _write_optimizer(ckpt: Path, where: Path) -> int:
+    """The checkpoint's optimizer tensors, full, renamed to the weights' Hugging Face names."""
     from safetensors.torch import save_file
 
-    why = verify(ckpt, full=True)
-    if why is not None:
-        raise UserError(f"checkpoint {str(ckpt)!r} is not usable: {why}")
-    if output.exists() and (output.is_dir() or not overwrite):
-        raise UserError(f"--output={str(output)!r} already exists: pass --overwrite to replace it, or another path")
-    sd: dict[str, torch.Tensor] = {}
-    parts = [("model", "")] + ([("optim", "optim.")] if with_optimizer else [])
-    for sub, prefix in parts:
-        meta = store.tensor_metadata(ckpt / sub)
-        target = {k: torch.empty(tuple(v.size), dtype=v.properties.dtype) for k, v in meta.items()}
-        store.dcp_call(dcp.load, target, storage_reader=dcp.HuggingFaceStorageReader(str(ckpt / sub)))
-        sd.update({prefix + k: t.contiguous() for k, t in target.items()})
-    output.parent.mkdir(parents=True, exist_ok=True)
-    tmp = output.with_name(f".{output.name}.tmp-{os.getpid()}")
-    try:
-        save_file(sd, str(tmp), metadata={"format": "pt", "source": str(ckpt)})
-        os.replace(tmp, output)
-    finally:
-        tmp.unlink(missing_ok=True)
-    return {"tensors": len(sd), "bytes": output.stat().st_size, "output": str(output)}
+    from meshformer.checkpoint.hf_dir import to_hf_names
+
+    if not (ckpt / "optim").is_dir():
+        raise UserError(f"checkpoint {str(ckpt)!r} holds no optimizer state (an import?): drop --optimizer")
+    meta = store.tensor_metadata(ckpt / "optim")
+    target = {k: torch.empty(tuple(v.size), dtype=v.properties.dtype) for k, v in meta.items()}
+    store.dcp_call(dcp.load, target, storage_reader=dcp.HuggingFaceStorageReader(str(ckpt / "optim")))
+    out = {}
+    for key, t in target.items():
+        param, stat = key.removeprefix("state.").rsplit(".", 1)
+        out[f"state.{next(iter(to_hf_names({param: t})))}.{stat}"] = t.contiguous()
+    save_file(out, str(where), metadata={"format": "pt", "source": str(ckpt)})
+    return len(out)

@@ -2,7 +2,7 @@
 
 meshformer ckpt info runs/demo                      # every checkpoint of a run: step, layout, sizes, status
 meshformer ckpt verify runs/demo/checkpoint/step_00000300   # exit 1 naming the first bad file
-meshformer ckpt merge runs/demo --output model.safetensors  # one file of full tensors, any saving layout
+meshformer ckpt merge runs/demo --output merged [--optimizer]  # a Hugging Face directory, any saving layout
 """
 
 from __future__ import annotations
@@ -20,11 +20,13 @@ def add_parser(sub) -> None:
     i.add_argument("--json", action="store_true", help="print JSON")
     v = verbs.add_parser("verify", help="check every file against the manifest and read every tensor back")
     v.add_argument("path", help="a checkpoint/step_N directory or a run's output_dir (all its checkpoints)")
-    m = verbs.add_parser("merge", help="write the full (unsharded) model weights as one safetensors file")
+    m = verbs.add_parser("merge", help="write the full (unsharded) weights as a Hugging Face model directory")
     m.add_argument("path", help="a checkpoint/step_N directory or a run's output_dir (its newest good one)")
-    m.add_argument("--output", required=True, help="the .safetensors file to write")
-    m.add_argument("--optimizer", action="store_true", help="also include the optimizer state (keys optim.*)")
-    m.add_argument("--overwrite", action="store_true", help="replace --output if it exists (once the new one is done)")
+    m.add_argument("--output", required=True, help="the directory to write (config.json, model.safetensors, ...)")
+    m.add_argument("--optimizer", action="store_true", help="also write optimizer.safetensors (AdamW's state)")
+    m.add_argument(
+        "--overwrite", action="store_true", help="replace an earlier merge's --output (once the new one is done)"
+    )
     p.set_defaults(func=run)
 
 
@@ -62,6 +64,10 @@ def run(args) -> int:
         for n in notes:
             print(f"note: {n}", file=sys.stderr)
         done = tools.merge(ckpt, Path(args.output), args.overwrite, args.optimizer)
-        print(f"wrote {done['output']}: {done['tensors']} tensors, {done['bytes']:,} bytes (from {ckpt})")
+        extra = f" and {done['optimizer_tensors']} optimizer tensors" if args.optimizer else ""
+        print(
+            f"wrote {done['output']}: {done['tensors']} weight tensors ({done['dtype']}){extra}, "
+            f"{done['bytes']:,} bytes, a Hugging Face model directory (from {ckpt})"
+        )
         return 0
     return 2
