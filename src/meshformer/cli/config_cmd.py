@@ -51,6 +51,11 @@ def markdown() -> str:
         "it in sync. Field names follow MindSpore Transformers. Override any field on the command line with",
         "`--dotted.name VALUE`.",
         "",
+        "A config file is at most 1 MiB, nests at most 64 levels, and expands to at most 100,000 values with its",
+        'YAML aliases followed (nested anchors, a "billion laughs", are refused at load, in one line: a config is',
+        "not data). Every number is checked against the range torch accepts (AdamW's betas in [0, 1), a learning",
+        "rate above 0, ...): an error names the field and its range.",
+        "",
     ]
     for name, tp, default, doc, choices in iter_fields():
         if tp == "section":

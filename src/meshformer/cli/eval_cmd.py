@@ -30,6 +30,8 @@ def run(args) -> int:
 
     from meshformer.checkpoint.inference import load_for_inference
 
+    if args.seq_length is not None and args.seq_length < 1:  # checked first: 0 must not mean "the model's"
+        raise UserError(f"--seq-length {args.seq_length}: give a window of at least 1 token, or leave it out")
     src = Path(args.input)
     if not src.is_file():
         raise UserError(f"--input {src}: no such file")
@@ -38,9 +40,7 @@ def run(args) -> int:
     except UnicodeDecodeError:
         raise UserError(f"--input {src}: not UTF-8 text") from None
     model, cfg, tok = load_for_inference(args.checkpoint)
-    seq = args.seq_length or cfg.model.model_config.seq_length
-    if seq < 1:
-        raise UserError(f"--seq-length {seq}: give at least 1")
+    seq = args.seq_length if args.seq_length is not None else cfg.model.model_config.seq_length
     ids = tok.encode(text).ids
     if len(ids) < 2:
         raise UserError(f"--input {src}: fewer than two tokens of text: nothing to predict")

@@ -22,10 +22,11 @@ def setting(
     ge: float | None = None,
     gt: float | None = None,
     le: float | None = None,
+    lt: float | None = None,
     aliases: tuple[str, ...] = (),
 ) -> Any:
     """A schema field: default, one-line doc, and the value checks the loader applies."""
-    meta = {"doc": doc, "choices": choices, "ge": ge, "gt": gt, "le": le, "aliases": aliases}
+    meta = {"doc": doc, "choices": choices, "ge": ge, "gt": gt, "le": le, "lt": lt, "aliases": aliases}
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda d=default: type(d)(d), metadata=meta)
     if isinstance(default, type) and hasattr(default, "__dataclass_fields__"):
@@ -79,7 +80,9 @@ class ModelConfig:
         None, "SwiGLU hidden width (default: Llama rule from multiple_of and ffn_dim_multiplier).", gt=0
     )
     multiple_of: int = setting(256, "Round the default intermediate_size up to a multiple of this.", gt=0)
-    ffn_dim_multiplier: float | None = setting(None, "Scale the default intermediate_size by this factor.", gt=0)
+    ffn_dim_multiplier: float | None = setting(
+        None, "Scale the default intermediate_size by this factor (at most 100).", gt=0, le=100
+    )
     vocab_size: int = setting(32000, "Vocabulary size; must be at least the tokenizer's vocabulary.", gt=0)
     rms_norm_eps: float = setting(1e-5, "Epsilon of every RMSNorm.", gt=0)
     theta: float = setting(10000.0, "Rotary embedding base frequency.", gt=0, aliases=("rotary_emb_base",))
@@ -116,7 +119,9 @@ class ModelConfig:
     bos_token_id: int | None = setting(None, "Beginning-of-sequence id (default: the tokenizer's).")
     eos_token_id: int | None = setting(None, "End-of-sequence id (default: the tokenizer's).")
     pad_token_id: int | None = setting(None, "Padding id (default: the tokenizer's).")
-    ignore_token_id: int = setting(-100, "Label value that the loss ignores.")
+    ignore_token_id: int = setting(
+        -100, "Label value that the loss ignores (a 64-bit integer).", ge=-(2**63), le=2**63 - 1
+    )
     pet_config: PetConfig = setting(PetConfig, "Parameter-efficient fine-tuning (pet_type: lora).")
     pet_method: str = setting(
         "none", "Short form of pet_config.pet_type (the seed's `pet_method: lora`).", choices=("none", "lora")
@@ -181,8 +186,8 @@ class DatasetConfig:
     data_loader: DataLoaderConfig = setting(DataLoaderConfig, "Where the tokens come from.")
     batch_size: int | None = setting(
         None,
-        "Micro-batch size: samples per forward pass on each data-parallel rank "
-        "(default: runner_config.batch_size, else 1).",
+        "Micro-batch size: samples per forward pass on each data-parallel rank (train_dataset default: "
+        "runner_config.batch_size, else 1; eval_dataset default: the training micro-batch).",
         gt=0,
     )
     drop_remainder: bool = setting(
@@ -255,10 +260,10 @@ class OptimizerConfig:
         "Optimizer: AdamW (FP32StateAdamWeightDecay and AdamWeightDecay are aliases).",
         choices=("AdamW", "FP32StateAdamWeightDecay", "AdamWeightDecay"),
     )
-    learning_rate: float = setting(1e-4, "Peak learning rate (after warm-up).", ge=0)
-    beta1: float = setting(0.9, "AdamW first-moment decay.", ge=0, le=1)
-    beta2: float = setting(0.95, "AdamW second-moment decay.", ge=0, le=1)
-    betas: list | None = setting(None, "[beta1, beta2] in one field (overrides beta1/beta2 when given).")
+    learning_rate: float = setting(1e-4, "Peak learning rate (after warm-up).", gt=0)
+    beta1: float = setting(0.9, "AdamW first-moment decay, in [0, 1).", ge=0, lt=1)
+    beta2: float = setting(0.95, "AdamW second-moment decay, in [0, 1).", ge=0, lt=1)
+    betas: list | None = setting(None, "[beta1, beta2] in one field, each in [0, 1) (overrides beta1/beta2).")
     eps: float = setting(1e-8, "AdamW epsilon.", gt=0)
     weight_decay: float = setting(0.1, "Decoupled weight decay (not applied to norms and biases).", ge=0)
     warmup_steps: int | None = setting(
@@ -280,7 +285,7 @@ class LrScheduleConfig:
         "Schedule after warm-up: cosine, linear or constant decay.",
         choices=("CosineWithWarmUpLR", "LinearWithWarmUpLR", "ConstantWarmUpLR", "cosine", "linear", "constant"),
     )
-    learning_rate: float | None = setting(None, "Peak learning rate (default: optimizer.learning_rate).", ge=0)
+    learning_rate: float | None = setting(None, "Peak learning rate (default: optimizer.learning_rate).", gt=0)
     lr_end: float = setting(0.0, "Learning rate at the end of the decay.", ge=0)
     warmup_steps: int | None = setting(None, "Linear warm-up steps (default: warmup_ratio x total_steps).", ge=0)
     warmup_ratio: float = setting(0.0, "Warm-up as a fraction of total_steps when warmup_steps is not set.", ge=0, le=1)
@@ -443,17 +448,19 @@ class MeshformerConfig:
         "What to do: train (pre-train), finetune, eval or predict.",
         choices=("train", "finetune", "eval", "predict"),
     )
-    seed: int = setting(0, "Seed for initial weights and sample order; same seed, same run.", ge=0)
+    seed: int = setting(
+        0, "Seed for initial weights and sample order; same seed, same run (0 to 2**32 - 1).", ge=0, le=2**32 - 1
+    )
     output_dir: str = setting("./output", "Where checkpoints, metrics.jsonl and logs go.")
     resume_training: bool | str = setting(
         False,
         "Continue from the newest good checkpoint in output_dir (or load_checkpoint); auto: resume when one "
-        "exists, else start fresh (for restarts).",
+        "exists, fresh when there is none (restarts); never over checkpoints that all fail to verify.",
         choices=(False, True, "auto"),
     )
     load_checkpoint: str = setting("", "Checkpoint directory to start from (weights, and state when resuming).")
     overwrite_output_dir: bool = setting(
-        False, "Allow a fresh run to replace checkpoints and metrics already in output_dir."
+        False, "Allow a fresh run to replace meshformer's checkpoints and metrics in output_dir (other files stay)."
     )
     do_eval: bool = setting(False, "Evaluate on the validation split during training.")
     model: ModelSection = setting(ModelSection, "The network.")

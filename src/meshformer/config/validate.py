@@ -49,6 +49,13 @@ def validate_config(cfg: MeshformerConfig) -> None:
         raise UserError(f"model.model_config.rms_norm_eps={mc.rms_norm_eps} is too large: use a small value like 1e-5")
     if mc.pet_method == "lora":  # the short form switches LoRA on with pet_config's (default) settings
         mc.pet_config.pet_type = "lora"
+    widest = max(mc.hidden_size, mc.num_heads * mc.dim_per_head, mc.ffn_hidden_size)
+    if mc.pet_config.pet_type == "lora" and mc.pet_config.lora_rank > widest:
+        # B A has rank at most min(d_out, d_in): a larger r only allocates (r = 10**9 asked for 128 GB at once)
+        raise UserError(
+            f"model.model_config.pet_config.lora_rank={mc.pet_config.lora_rank} is wider than any linear of the model "
+            f"(at most {widest}): a rank above a linear's width adds nothing; use e.g. 8 to 64"
+        )
     validate_layout(cfg, world_size=None)
     pp = cfg.parallel_config.pipeline_stage
     sel = cfg.recompute_config.select_recompute
@@ -71,13 +78,21 @@ def validate_config(cfg: MeshformerConfig) -> None:
             "give a window with start <= stop"
         )
     ls = cfg.lr_schedule
+    peak = ls.learning_rate if ls.learning_rate is not None else cfg.optimizer.learning_rate
+    if ls.lr_end > peak:  # the "decay" would climb from the peak to lr_end
+        raise UserError(
+            f"lr_schedule.lr_end={ls.lr_end:g} is above the peak learning rate {peak:g}: give an lr_end <= the peak "
+            "(0 decays to nothing)"
+        )
     if ls.total_steps == 0 or ls.total_steps < -1:
         raise UserError(
             f"lr_schedule.total_steps={ls.total_steps}: give a positive step count, or -1 for the run's length"
         )
     betas = cfg.optimizer.betas
-    if betas is not None and (len(betas) != 2 or not all(isinstance(b, (int, float)) and 0 <= b <= 1 for b in betas)):
-        raise UserError(f"optimizer.betas={betas}: give two numbers in [0, 1], e.g. [0.9, 0.95]")
+    numbers = betas is not None and all(isinstance(b, (int, float)) and not isinstance(b, bool) for b in betas)
+    if betas is not None and (len(betas) != 2 or not numbers or not all(0 <= b < 1 for b in betas)):
+        # torch.optim.AdamW refuses a beta of 1 (its bias correction divides by 1 - beta**step)
+        raise UserError(f"optimizer.betas={betas}: give two numbers in [0, 1), e.g. [0.9, 0.95]")
     for i, cb in enumerate(cfg.callbacks):
         if cb.type == "CheckpointMonitor" and cb.keep_checkpoint_max < 1:
             raise UserError(f"callbacks.{i}.keep_checkpoint_max must be at least 1")

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import yaml
 
-from meshformer.config.load import from_dict
+from meshformer.config.load import from_dict, load_yaml_text
 from meshformer.config.schema import MeshformerConfig, ModelConfig, RopeScalingConfig
 from meshformer.errors import UserError
 
@@ -46,7 +46,7 @@ def base_model_config(src: str) -> ModelConfig:
     else:
         ckpt = resolve_checkpoint(p)
         try:
-            data = yaml.safe_load((ckpt / "config.yaml").read_text())
+            data = load_yaml_text((ckpt / "config.yaml").read_text(), f"{ckpt}/config.yaml")
             fields = data["model"]["model_config"]
         except (OSError, yaml.YAMLError, KeyError, TypeError):
             raise UserError(f"load_checkpoint={src!r}: {ckpt}/config.yaml has no model.model_config") from None

@@ -155,3 +155,52 @@ class Schedule:
         for g in self.opt.param_groups:
             g["lr"] = lr * g.get("lr_scale", 1.0)
         return lr
+
+
+def _steps(n: int) -> str:
+    return f"{n} step" if n == 1 else f"{n} steps"
+
+
+def _warmup_source(cfg: MeshformerConfig) -> str:
+    """The field the warm-up length comes from (the precedence of warmup_steps)."""
+    if cfg.optimizer.warmup_steps is not None:
+        return f"optimizer.warmup_steps={cfg.optimizer.warmup_steps}"
+    if cfg.lr_schedule.warmup_steps is not None:
+        return f"lr_schedule.warmup_steps={cfg.lr_schedule.warmup_steps}"
+    return f"lr_schedule.warmup_ratio={cfg.lr_schedule.warmup_ratio:g}"
+
+
+def schedule_warnings(cfg: MeshformerConfig, run_steps: int) -> list[str]:
+    """What the learning rate will do over a run of `run_steps` optimizer steps that the config does not show
+    at a glance: a warm-up that outlasts the run or the schedule, a schedule that ends before the run. Step
+    numbers are 1-based, as in the logs and metrics.jsonl; each statement follows from `lr_at`."""
+    ls = cfg.lr_schedule
+    total = ls.total_steps if ls.total_steps > 0 else run_steps
+    warm, peak = warmup_steps(cfg, total), peak_lr(cfg)
+    decays = ls.type not in ("ConstantWarmUpLR", "constant")
+    if run_steps < 1:
+        return []
+    if warm >= run_steps:
+        last = lr_at(run_steps - 1, peak=peak, end=ls.lr_end, warmup=warm, total=total, kind=ls.type)
+        longer = "longer than" if warm > run_steps else "as long as"
+        return [
+            f"{_warmup_source(cfg)}: the warm-up ({_steps(warm)}) is {longer} the run ({_steps(run_steps)}): the "
+            f"learning rate rises for the whole run, to {last:g} at its last step ({last / peak:.0%} of the peak "
+            f"{peak:g})" + (", and never decays" if decays else "")
+        ]
+    if decays and warm >= total:  # lr_at: peak at steps warm and warm + 1, then lr_end at once (a span of 1 step)
+        after = (
+            f"then drops to lr_end={ls.lr_end:g} at step {warm + 2}, with no decay in between"
+            if warm + 2 <= run_steps
+            else "and stays there to the end of the run"
+        )
+        return [
+            f"{_warmup_source(cfg)}: the warm-up ({_steps(warm)}) is not shorter than lr_schedule.total_steps={total}: "
+            f"the learning rate reaches its peak {peak:g} at step {warm}, {after}"
+        ]
+    if decays and total < run_steps:
+        return [
+            f"lr_schedule.total_steps={total} is shorter than the run ({_steps(run_steps)}): the learning rate decays "
+            f"to lr_end={ls.lr_end:g} by step {total + 1} and stays there for the remaining {_steps(run_steps - total)}"
+        ]
+    return []
