@@ -8,6 +8,7 @@ import json
 
 import pytest
 
+from conftest import transformers_render as reference
 from meshformer.data.chat import BUILTIN, load_chat_template, render_chat, template_tokens
 from meshformer.errors import UserError
 
@@ -36,19 +37,6 @@ HUB_STYLE = (
     "{%- if loop.index > 10 %}{% break %}{% endif %}"
     "{%- endfor %}{%- if add_generation_prompt %}{{ '<|a|>' }}{%- endif %}"
 )
-
-
-def reference(template: str, messages, add_generation_prompt: bool) -> str:
-    from tokenizers import Tokenizer, models
-
-    tok = transformers.PreTrainedTokenizerFast(
-        tokenizer_object=Tokenizer(models.WordLevel({"<s>": 0, "</s>": 1, "x": 2}, unk_token="x")),
-        bos_token="<s>",
-        eos_token="</s>",
-    )
-    return tok.apply_chat_template(
-        messages, chat_template=template, tokenize=False, add_generation_prompt=add_generation_prompt
-    )
 
 
 @pytest.mark.parametrize("name", [*BUILTIN, "hub_style"])

@@ -9,21 +9,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import checksums, tiny_overrides
+from conftest import TURNS, checksums, tiny_overrides
 from meshformer.cli.main import main
 from meshformer.config import load_config
 from meshformer.data.chat import BUILTIN
 from meshformer.data.dataset import SFTDataset
 from meshformer.data.sft import encode_sample
 from meshformer.data.tokenizer import load_tokenizer
-
-TURNS = [
-    {"role": "system", "content": "You are terse."},
-    {"role": "user", "content": "Name a colour."},
-    {"role": "assistant", "content": "Blue."},
-    {"role": "user", "content": "Another one?"},
-    {"role": "assistant", "content": "Green, like grass."},
-]
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,7 @@
 """`meshformer preprocess --input FILE [FILE ...] --tokenizer DIR --output DIR [--val-fraction F]
 [--keep-duplicates] [--overwrite]`: text -> packed token dataset (sequence length is chosen at training time);
-instruction data (.jsonl in alpaca, messages or sharegpt form) -> samples with a loss mask (data/sft.py)."""
+instruction data (.jsonl, or .json arrays, in alpaca, messages or sharegpt form) -> samples with a loss mask
+(data/sft.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ def add_parser(subparsers) -> None:
     p = subparsers.add_parser(
         "preprocess",
         help="Tokenize text files into a packed training dataset.",
-        description="Tokenize .txt/.jsonl files into DIR (meta.json, tokenizer.json, "
+        description="Tokenize .txt/.jsonl/.json files into DIR (meta.json, tokenizer.json, "
         "{train,validation}.bin), dropping exact duplicate documents.",
     )
     p.add_argument(
@@ -19,7 +20,8 @@ def add_parser(subparsers) -> None:
         nargs="+",
         required=True,
         metavar="FILE",
-        help='.txt files (one document each) or .jsonl files (one {"text": ...} per line)',
+        help='.txt files (one document each), .jsonl files (one {"text": ...} or instruction record per line) or '
+        ".json arrays of such records",
     )
     p.add_argument(
         "--tokenizer",
@@ -31,7 +33,7 @@ def add_parser(subparsers) -> None:
         "--format",
         default="auto",
         choices=("auto", "text", "alpaca", "messages", "sharegpt"),
-        help="input kind (default: from the fields of the first .jsonl record)",
+        help="input kind (default: from the fields of the first .jsonl/.json record)",
     )
     p.add_argument(
         "--template",
@@ -76,26 +78,22 @@ def add_parser(subparsers) -> None:
 
 
 def input_format(args) -> str:
-    """text, or the instruction format of the first .jsonl record (auto)."""
+    """text, or the instruction format of the first record of the first .jsonl/.json input that has one (auto)."""
     if args.format != "auto":
         return args.format
-    import json
     from pathlib import Path
 
+    from meshformer.data.documents import iter_records
     from meshformer.data.sft import detect_format
 
     for name in args.input:
         p = Path(name)
-        if p.suffix == ".jsonl" and p.is_file():
-            with p.open(encoding="utf-8") as f:
-                first = next((ln for ln in f if ln.strip()), "")
-            try:
-                record = json.loads(first) if first else {}
-            except json.JSONDecodeError:
-                return "text"  # the text path reports the bad line
+        if p.suffix.lower() not in (".jsonl", ".json") or not p.is_file():
+            return "text"  # the text path reports what is wrong with the inputs
+        for where, _, record in iter_records(p):  # a damaged file is one line here, as on the text path
             if isinstance(record, dict) and args.text_field not in record:
-                return detect_format(record, f"{p}:1")
-        return "text"
+                return detect_format(record, where)
+            return "text"
     return "text"
 
 

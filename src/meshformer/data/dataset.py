@@ -65,6 +65,50 @@ def read_meta(dataset_dir: str | Path, field: str = "train_dataset.data_loader.d
     return meta
 
 
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def map_array(path: Path, dtype: np.dtype, count: int, what: str) -> np.ndarray:
+    """`path` memory-mapped as `count` items of `dtype`, after checking that it holds exactly that many (a file
+    cut short, padded or missing is one line; np.memmap would raise on an empty or odd-sized file)."""
+    if not path.is_file():
+        raise UserError(f"{path}: missing from the dataset: re-run `meshformer preprocess`")
+    size, want = path.stat().st_size, count * dtype.itemsize
+    if size != want:
+        raise UserError(
+            f"{path}: holds {size} bytes ({size / dtype.itemsize:g} {what}) but meta.json says {count} {what} "
+            f"({want} bytes): the dataset is {'truncated' if size < want else 'damaged'}; re-run "
+            f"`meshformer preprocess`"
+        )
+    return np.memmap(path, dtype=dtype, mode="r") if count else np.zeros(0, dtype=dtype)
+
+
+def load_offsets(path: Path, samples: int, tokens: int) -> np.ndarray:
+    """The n + 1 sample offsets of {split}.idx.npy, checked: 0 first, `tokens` last, never decreasing."""
+    try:
+        offsets = np.load(path, allow_pickle=False)
+    except FileNotFoundError:
+        raise UserError(f"{path}: missing from the dataset: re-run `meshformer preprocess`") from None
+    except (ValueError, EOFError, OSError) as e:
+        why = "it holds pickled objects, never loaded" if "pickle" in str(e) else str(e)
+        raise UserError(f"{path}: not a readable .npy index ({why}): re-run `meshformer preprocess`") from None
+    ok = (
+        offsets.ndim == 1
+        and offsets.dtype.kind in "iu"
+        and offsets.shape[0] == samples + 1
+        and int(offsets[0]) == 0
+        and int(offsets[-1]) == tokens
+        and bool(np.all(np.diff(offsets) >= 0))
+    )
+    if not ok:
+        raise UserError(
+            f"{path}: the sample index does not match meta.json ({samples} samples, {tokens} tokens): the dataset "
+            f"is damaged; re-run `meshformer preprocess`"
+        )
+    return offsets.astype(np.int64)
+
+
 class PackedDataset:
     """Fixed-length samples over one split's memory-mapped token stream."""
 
@@ -82,12 +126,7 @@ class PackedDataset:
                 f"{field}={str(self.dir)!r} has no {split!r} tokens: re-run `meshformer preprocess` "
                 f"with more text (or a larger --val-fraction for validation)"
             )
-        self.tokens = np.memmap(path, dtype=np.dtype(self.meta["dtype"]).newbyteorder("<"), mode="r")
-        if self.tokens.shape[0] != info["tokens"]:
-            raise UserError(
-                f"{path}: holds {self.tokens.shape[0]} tokens but meta.json says {info['tokens']}: "
-                f"the dataset is truncated; re-run `meshformer preprocess`"
-            )
+        self.tokens = map_array(path, np.dtype(self.meta["dtype"]).newbyteorder("<"), info["tokens"], "tokens")
         self.num_samples = (self.tokens.shape[0] - 1) // seq_length
         if self.num_samples < 1:
             raise UserError(
@@ -140,18 +179,19 @@ class SFTDataset:
         self.meta = read_meta(dataset_dir, field)
         self.split, self.seq_length = split, seq_length
         info = self.meta["splits"].get(split) or {}
-        if not info.get("samples"):
+        if not _is_int(info.get("samples")) or info["samples"] < 1:
             raise UserError(
                 f"{field}={str(self.dir)!r} has no {split!r} samples: re-run `meshformer preprocess` with more "
                 f"conversations (or a larger --val-fraction for validation)"
             )
         dtype = np.dtype(self.meta["dtype"]).newbyteorder("<")
-        self.tokens = np.memmap(self.dir / f"{split}.bin", dtype=dtype, mode="r")
-        self.masks = np.memmap(self.dir / f"{split}.mask.bin", dtype=np.uint8, mode="r")
-        self.offsets = np.load(self.dir / f"{split}.idx.npy", allow_pickle=False)
-        if not (self.tokens.shape[0] == self.masks.shape[0] == info["tokens"] == int(self.offsets[-1])):
-            raise UserError(f"{self.dir}: the {split!r} files disagree with meta.json: re-run `meshformer preprocess`")
-        self.pad = int(self.meta.get("pad_token_id") or self.meta["eos_token_id"])
+        self.tokens = map_array(self.dir / f"{split}.bin", dtype, info["tokens"], "tokens")
+        self.masks = map_array(self.dir / f"{split}.mask.bin", np.dtype(np.uint8), info["tokens"], "mask bytes")
+        self.offsets = load_offsets(self.dir / f"{split}.idx.npy", info["samples"], info["tokens"])
+        pad = self.meta.get("pad_token_id") or self.meta.get("eos_token_id")
+        if not _is_int(pad):
+            raise UserError(f"{self.dir / 'meta.json'}: no integer pad_token_id or eos_token_id: re-run preprocess")
+        self.pad = int(pad)
         self.packing = packing
         lengths = np.minimum(np.diff(self.offsets), seq_length + 1)
         self.rows = pack_rows(lengths, seq_length + 1) if packing else [[i] for i in range(len(lengths))]

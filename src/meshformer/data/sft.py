@@ -1,10 +1,15 @@
 """Instruction data for supervised fine-tuning: conversations rendered with the model's chat template, a loss mask
 that keeps only what the assistant says, written as a dataset the trainer reads (format meshformer-sft-v1).
 
-Inputs are JSONL, one sample per line, in one of three shapes (detected from the fields, `--format` forces one):
-  alpaca    {"instruction", "input" (optional), "output", "system" (optional)}
+Inputs are JSONL (one sample per line) or JSON arrays of samples (.json, LLaMA-Factory's files; data/documents.py
+`iter_records`), in one of three shapes (detected from the fields, `--format` forces one):
+  alpaca    {"instruction", "input" (optional), "output", "system" (optional),
+             "history" (optional: [[user, assistant], ...], earlier turns, as LLaMA-Factory reads it)}
   messages  {"messages": [{"role": "system"|"user"|"assistant", "content"}, ...]}   (OpenAI style, multi-turn)
-  sharegpt  {"conversations": [{"from": "system"|"human"|"gpt", "value"}, ...]}
+  sharegpt  {"conversations": [{"from": "system"|"human"|"gpt", "value"}, ...], "system" (optional)}
+Every text is a string: content that is null, a number or an object is refused with its record's line (FILE:LINE)
+or array element (FILE[i]). OpenAI-style content parts, [{"type": "text", "text": ...}, ...], all of them text, are
+joined with newlines (as vLLM does for text-only models); any other part (an image) is refused.
 
 The mask comes from the template itself: for every assistant turn k, the conversation up to k rendered with the
 generation prompt must be a prefix of the conversation through turn k; the characters between the two are the
@@ -32,6 +37,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from meshformer.data.chat import load_chat_template, render_chat, template_tokens
+from meshformer.data.documents import iter_records, json_type
 from meshformer.data.preprocess import prepare_output, publish_with_meta
 from meshformer.data.tokenizer import load_tokenizer, special_token_ids, vocab_size
 from meshformer.errors import UserError
@@ -54,13 +60,42 @@ def detect_format(record: dict, where: str) -> str:
     )
 
 
+def _text(value, where: str, what: str, optional: bool = False) -> str:
+    """`value` as the text of a turn: a string, or OpenAI-style text parts joined with newlines."""
+    if isinstance(value, str):
+        return value
+    if optional and value is None:
+        return ""
+    if isinstance(value, list) and value and all(isinstance(v, dict) and v.get("type") == "text" for v in value):
+        if all(isinstance(v.get("text"), str) for v in value):
+            return "\n".join(v["text"] for v in value)
+    kind = "an array, not all of it text parts" if isinstance(value, list) and value else json_type(value)
+    raise UserError(
+        f"{where}: {what} is {kind}, not a string: give every turn's text as a string "
+        f'(or a list of {{"type": "text", "text": ...}} parts)'
+    )
+
+
 def to_messages(record: dict, fmt: str, where: str) -> list[dict]:
     if fmt == "alpaca":
-        user = str(record.get("instruction", ""))
-        if record.get("input"):
-            user = f"{user}\n\n{record['input']}"
-        msgs = [{"role": "system", "content": str(record["system"])}] if record.get("system") else []
-        return [*msgs, {"role": "user", "content": user}, {"role": "assistant", "content": str(record["output"])}]
+        if "instruction" not in record or "output" not in record:
+            raise UserError(
+                f"{where}: an alpaca record needs 'instruction' and 'output' (fields: {sorted(record)[:6]})"
+            )
+        user = _text(record["instruction"], where, "'instruction'")
+        extra = _text(record.get("input"), where, "'input'", optional=True)
+        if extra:
+            user = f"{user}\n\n{extra}"
+        system = _text(record.get("system"), where, "'system'", optional=True)
+        msgs = [{"role": "system", "content": system}] if system else []
+        history = record.get("history") or []
+        if not isinstance(history, list) or not all(isinstance(h, list) and len(h) == 2 for h in history):
+            raise UserError(f"{where}: 'history' must be a list of [user, assistant] pairs")
+        for k, (q, a) in enumerate(history):
+            msgs.append({"role": "user", "content": _text(q, where, f"history[{k}][0]")})
+            msgs.append({"role": "assistant", "content": _text(a, where, f"history[{k}][1]")})
+        output = _text(record["output"], where, "'output'")
+        return [*msgs, {"role": "user", "content": user}, {"role": "assistant", "content": output}]
     key, role_key, text_key = (
         ("messages", "role", "content") if fmt == "messages" else ("conversations", "from", "value")
     )
@@ -68,12 +103,17 @@ def to_messages(record: dict, fmt: str, where: str) -> list[dict]:
     if not isinstance(turns, list) or not all(isinstance(t, dict) for t in turns):
         raise UserError(f"{where}: {key!r} must be a list of objects")
     out = []
-    for t in turns:
+    system = record.get("system") if fmt == "sharegpt" else None
+    if system is not None and not (turns and turns[0].get(role_key) == "system"):
+        out.append({"role": "system", "content": _text(system, where, "'system'")})
+    for k, t in enumerate(turns):
         role = str(t.get(role_key, ""))
         role = SHAREGPT_ROLES.get(role, role) if fmt == "sharegpt" else role
         if role not in ("system", "user", "assistant"):
             raise UserError(f"{where}: unknown role {t.get(role_key)!r} (system, user, assistant)")
-        out.append({"role": role, "content": str(t.get(text_key, ""))})
+        if text_key not in t:
+            raise UserError(f"{where}: {key}[{k}] ({role}) has no {text_key!r}: every turn needs its text")
+        out.append({"role": role, "content": _text(t[text_key], where, f"{key}[{k}].{text_key} ({role})")})
     return out
 
 
@@ -151,16 +191,9 @@ def preprocess_sft(
     report = {"samples": 0, "truncated": 0, "dropped": 0, "tokens": 0, "target_tokens": 0, "by_role": {}}
     example = None
     for file_index, path in enumerate(paths):
-        for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-            if not line.strip():
-                continue
-            where = f"{path}:{n}"
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise UserError(f"{where}: not JSON ({e.msg})") from None
+        for where, n, record in iter_records(path):
             if not isinstance(record, dict):
-                raise UserError(f"{where}: each line must be a JSON object")
+                raise UserError(f"{where}: a JSON {json_type(record)}: each record must be a JSON object")
             messages = to_messages(record, fmt or detect_format(record, where), where)
             ids, mask, _, _, starts = encode_sample(tok, chat_template, messages, specials, train_on_prompt, where)
             _count_roles(report, starts, messages, chat_template, specials, mask)

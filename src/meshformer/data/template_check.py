@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from meshformer.data.chat import load_chat_template, template_tokens
+from meshformer.data.documents import iter_records
 from meshformer.data.sft import encode_sample, to_messages
 from meshformer.data.tokenizer import load_tokenizer
 from meshformer.errors import UserError
@@ -84,8 +85,9 @@ def check_dataset(directory: str | Path, dataset: str | Path) -> tuple[int, list
     """(held-out samples compared, problems): each must re-encode, with DIR's template and tokenizer, to exactly
     the tokens and loss mask stored in the dataset."""
     d, ds = Path(directory), Path(dataset)
-    meta_file = ds / "meta.json"
-    meta = json.loads(meta_file.read_text(encoding="utf-8")) if meta_file.is_file() else {}
+    from meshformer.data.dataset import load_offsets, map_array, read_meta  # torch: only for --data
+
+    meta = read_meta(ds, "--data")
     if meta.get("format") != "meshformer-sft-v1":
         raise UserError(f"--data {ds}: not an instruction dataset made by `meshformer preprocess` (meta.json)")
     tok = load_tokenizer(d)
@@ -95,23 +97,41 @@ def check_dataset(directory: str | Path, dataset: str | Path) -> tuple[int, list
     specials = template_tokens(json.loads(cfg_file.read_text(encoding="utf-8")) if cfg_file.is_file() else {})
     template = load_chat_template(d)
     problems = []
-    if template != (ds / "chat_template.jinja").read_text(encoding="utf-8"):
+    stored = ds / "chat_template.jinja"
+    if not stored.is_file() or template != stored.read_text(encoding="utf-8", errors="replace"):
         problems.append(f"{d}'s chat template is not the one {ds} was made with")
-    if (d / "tokenizer.json").read_bytes() != (ds / "tokenizer.json").read_bytes():
+    if (
+        not (ds / "tokenizer.json").is_file()
+        or (d / "tokenizer.json").read_bytes() != (ds / "tokenizer.json").read_bytes()
+    ):
         problems.append(f"{d}'s tokenizer.json is not the one {ds} was made with")
     dtype = np.dtype(meta["dtype"]).newbyteorder("<")
-    tokens = np.fromfile(ds / "validation.bin", dtype=dtype)
-    masks = np.fromfile(ds / "validation.mask.bin", dtype=np.uint8)
-    offsets = np.load(ds / "validation.idx.npy", allow_pickle=False)
-    sources = [Path(s["path"]) for s in meta["sources"]]
-    lines = {}
+    info = meta["splits"].get("validation") or {}
+    count, samples = info.get("tokens", 0), info.get("samples", 0)
+    tokens = map_array(ds / "validation.bin", dtype, count, "tokens")
+    masks = map_array(ds / "validation.mask.bin", np.dtype(np.uint8), count, "mask bytes")
+    offsets = load_offsets(ds / "validation.idx.npy", samples, count)
+    held_out = meta.get("validation_lines", [])
+    sources = [Path(s["path"]) for s in meta.get("sources", []) if isinstance(s, dict) and "path" in s]
+    if (
+        not isinstance(samples, int)
+        or len(held_out) != samples
+        or any(
+            not (isinstance(x, list) and len(x) == 2 and isinstance(x[0], int) and 0 <= x[0] < len(sources))
+            for x in held_out
+        )
+    ):
+        raise UserError(f"--data {ds}: meta.json's validation_lines or sources are damaged: re-run preprocess")
+    records: dict[Path, dict] = {}  # path -> {line number (JSONL) or index (JSON array): (where, record)}
     n = 0
-    for i, (file_index, line_no) in enumerate(meta.get("validation_lines", [])):
+    for i, (file_index, key) in enumerate(held_out):
         path = sources[file_index]
-        if path not in lines:
-            lines[path] = path.read_text(encoding="utf-8").splitlines()
-        record = json.loads(lines[path][line_no - 1])
-        where = f"{path}:{line_no}"
+        if path not in records:
+            records[path] = {k: (where, rec) for where, k, rec in iter_records(path)} if path.is_file() else {}
+        if key not in records[path] or not isinstance(records[path][key][1], dict):
+            problems.append(f"{path}: record {key}, held out in {ds}, is gone: the source changed since preprocess")
+            continue
+        where, record = records[path][key]
         messages = to_messages(record, meta.get("format_detected") or "messages", where)
         ids, mask, _, _, _ = encode_sample(tok, template, messages, specials, meta.get("train_on_prompt", False), where)
         keep = len(ids) if meta.get("overlong") == "drop" else min(len(ids), meta["seq_length"] + 1)
