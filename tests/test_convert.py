@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import checksums
+from conftest import HF_SMALL, TINY_HF_LLAMA, checksums, imports_with_its_logits, save_hf_model, tokens
 from meshformer.checkpoint import parity
 from meshformer.checkpoint.inference import load_for_inference
 from meshformer.cli.main import main
@@ -21,15 +21,6 @@ from meshformer.errors import RunFailed
 
 transformers = pytest.importorskip("transformers")
 
-COMMON = dict(
-    vocab_size=512,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    max_position_embeddings=256,
-    rms_norm_eps=1e-6,
-)
 LLAMA3_ROPE = {
     "rope_type": "llama3",
     "factor": 8.0,
@@ -48,22 +39,7 @@ CASES = {  # name: (transformers class names, config overrides)
 
 def hf_model(family: str, overrides: dict, out: Path, tokenizer_dir: Path):
     """A randomly initialised transformers model (weights spread beyond init), saved in 6-ish shards."""
-    cfg_cls = getattr(transformers, f"{family}Config")
-    model_cls = getattr(transformers, f"{family}ForCausalLM")
-    torch.manual_seed(0)
-    model = model_cls(cfg_cls(**{**COMMON, "tie_word_embeddings": False, **overrides})).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
-    model.save_pretrained(out, max_shard_size="100KB")
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(tokenizer_dir / name, out / name)
-    return model
-
-
-@pytest.fixture(scope="module")
-def tokenizer_dir(tiny_dataset) -> Path:
-    return tiny_dataset.parent / "tok"
+    return save_hf_model(out, tokenizer_dir, {**HF_SMALL, **overrides}, family, shard="100KB")
 
 
 def hf_tensors(d: Path) -> dict[str, torch.Tensor]:
@@ -73,27 +49,13 @@ def hf_tensors(d: Path) -> dict[str, torch.Tensor]:
     return out
 
 
-def tokens() -> torch.Tensor:
-    return torch.randint(0, 512, (2, 24), generator=torch.Generator().manual_seed(3))
-
-
 @pytest.mark.parametrize("case", list(CASES))
 def test_import_export_round_trip_matches_transformers(case, tmp_path, tokenizer_dir, capsys):
     family, overrides = CASES[case]
     src = tmp_path / "hf"
     reference = hf_model(family, overrides, src, tokenizer_dir)
     assert len(list(src.glob("*.safetensors"))) > 1  # really sharded, with an index
-    x = tokens()
-    with torch.no_grad():
-        want = reference(x).logits
-
-    assert main(["import", str(src), "--output", str(tmp_path / "ckpt"), "--verify"]) == 0
-    assert "max |logit difference|" in capsys.readouterr().out
-    ours, cfg, _ = load_for_inference(tmp_path / "ckpt")
-    with torch.no_grad():
-        got = ours(x)
-    assert want.abs().amax() > 0.1
-    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    x, want, _ = imports_with_its_logits(reference, src, tmp_path / "ckpt", capsys)
 
     assert main(["export", str(tmp_path / "ckpt"), "--output", str(tmp_path / "out"), "--shard-size", "150KB"]) == 0
     back, info = transformers.AutoModelForCausalLM.from_pretrained(
@@ -185,9 +147,7 @@ def test_training_starts_from_a_hugging_face_directory_like_from_its_import(tmp_
     from meshformer.train.trainer import run_training
 
     src = tmp_path / "hf"
-    # the tiny dataset's model shape (conftest.tiny_overrides): hidden 32, 2 layers, 4 heads, 2 kv heads, ffn 64
-    shape = dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, intermediate_size=64, rope_theta=1e4)
-    hf_model("Llama", {**shape, "max_position_embeddings": 32, "rms_norm_eps": 1e-5}, src, tokenizer_dir)
+    hf_model("Llama", TINY_HF_LLAMA, src, tokenizer_dir)  # the tiny dataset's model shape
     assert main(["import", str(src), "--output", str(tmp_path / "ckpt")]) == 0
     losses = []
     for name, load in (("from_hf", src), ("from_import", tmp_path / "ckpt")):
@@ -231,8 +191,7 @@ def test_finetune_takes_the_model_shape_from_load_checkpoint(tmp_path, tiny_data
     from meshformer.train.trainer import run_training
 
     src = tmp_path / "hf"
-    shape = dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, intermediate_size=64, rope_theta=1e4)
-    hf_model("Llama", {**shape, "max_position_embeddings": 64}, src, tokenizer_dir)
+    hf_model("Llama", {**TINY_HF_LLAMA, "max_position_embeddings": 64, "rms_norm_eps": 1e-6}, src, tokenizer_dir)
     run = [  # no architecture at all: run_mode finetune takes it from the Hugging Face directory
         "--run_mode", "finetune", "--load_checkpoint", str(src), "--model.model_config.seq_length", "32",
         "--train_dataset.data_loader.dataset_dir", str(tiny_dataset), "--train_dataset.batch_size", "4",

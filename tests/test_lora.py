@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import tiny_overrides
+from conftest import TINY_HF_LLAMA, save_hf_model, tiny_overrides, tokens
 from meshformer.checkpoint.inference import load_for_inference
 from meshformer.cli.main import main
 from meshformer.config import load_config
@@ -19,7 +19,6 @@ from meshformer.errors import UserError
 from meshformer.models import build_model
 from meshformer.models.lora import LoRALinear, apply_lora
 from meshformer.train.trainer import run_training
-from test_convert import hf_model
 
 peft = pytest.importorskip("peft")
 LORA = {
@@ -30,31 +29,17 @@ LORA = {
     "model.model_config.rms_norm_eps": 1e-5,
     "optimizer.learning_rate": 1e-2,
 }
-# The tiny dataset's model shape (conftest.tiny_overrides), as a transformers Llama.
-SHAPE = dict(
-    hidden_size=32,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    intermediate_size=64,
-    rope_theta=1e4,
-    max_position_embeddings=32,
-    rms_norm_eps=1e-5,
-)
 
 
 @pytest.fixture(scope="module")
 def lora_run(tiny_dataset, tmp_path_factory):
     """A LoRA fine-tune of a transformers-made Llama: its directory, the base model and the run directory."""
     root = tmp_path_factory.mktemp("lora")
-    base = hf_model("Llama", SHAPE, root / "hf", tiny_dataset.parent / "tok")
+    base = save_hf_model(root / "hf", tiny_dataset.parent / "tok", TINY_HF_LLAMA, shard="100KB")
     extra = {**LORA, "load_checkpoint": str(root / "hf"), "runner_config.stop_step": 6}
     run_training(load_config(None, tiny_overrides(tiny_dataset, root / "run", extra)))
     original = {k.removeprefix("model."): v.clone() for k, v in base.state_dict().items()}
     return root, base, original  # (peft wraps `base` in place: keep its weights as they were)
-
-
-def tokens() -> torch.Tensor:
-    return torch.randint(0, 512, (2, 24), generator=torch.Generator().manual_seed(3))
 
 
 def test_exported_adapter_matches_peft_and_the_merged_model(lora_run):

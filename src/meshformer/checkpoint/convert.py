@@ -6,11 +6,18 @@ tokens, chat template) and a manifest, so `load_checkpoint`, `generate`, `prepro
 `meshformer export` take it like any checkpoint. Every tensor is checked against the model the config describes
 (names and shapes, both ways) before anything is written. Both commands write into `OUTPUT.tmp-*` and rename it
 to OUTPUT at the end: an existing OUTPUT is never touched, a failure leaves nothing that looks complete.
+
+An import from a Hugging Face directory records what PEFT should name as the base (BASE_KEY in
+trainer_state.json: the hub id of a hub-cache snapshot, else the directory's absolute path); fine-tuning carries
+it into the run's checkpoints, and an exported adapter's `base_model_name_or_path` is that record (or `--base`),
+so `peft.AutoPeftModelForCausalLM.from_pretrained(adapter)` loads it as is.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import re
 import shutil
 from pathlib import Path
 
@@ -29,6 +36,34 @@ from meshformer.dtypes import DTYPE
 from meshformer.errors import UserError
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
+BASE_KEY = "base_model_name_or_path"  # trainer_state.json: the Hugging Face base (id or directory), or absent
+# huggingface_hub's cache layout: .../models--{org}--{name}/snapshots/{revision}
+_HUB_SNAPSHOT = re.compile(r"models--(?P<org>[^/]+?)--(?P<name>[^/]+)/snapshots/[^/]+")
+
+
+def hf_base_name(src: str | Path) -> str:
+    """What a PEFT adapter should name as its base for a Hugging Face directory: the hub id of a hub-cache snapshot
+    (portable, and the cache resolves it), else the absolute path (a relative one would depend on the cwd)."""
+    path = os.path.abspath(src)
+    m = _HUB_SNAPSHOT.search(Path(path).as_posix())
+    return f"{m['org']}/{m['name']}" if m and m.end() == len(Path(path).as_posix()) else path
+
+
+def recorded_base(ckpt: Path) -> str | None:
+    """The Hugging Face base a checkpoint records (None when it records none: trained from scratch, a GGUF import,
+    or saved before the record existed)."""
+    try:
+        value = json.loads((ckpt / "trainer_state.json").read_text()).get(BASE_KEY)
+    except (OSError, ValueError, AttributeError):
+        return None
+    return value if isinstance(value, str) and value else None
+
+
+def base_of(src: str | Path) -> str | None:
+    """The Hugging Face base of a run's `load_checkpoint`: the directory itself, or what the checkpoint records."""
+    from meshformer.checkpoint.hf_dir import is_hf_dir
+
+    return hf_base_name(src) if is_hf_dir(Path(src)) else recorded_base(resolve_checkpoint(src))
 
 
 def read_source(src: str | Path) -> SourceModel:
@@ -115,6 +150,8 @@ def write_import(source: SourceModel, output: str | Path) -> tuple[Path, Meshfor
         "tokenizer_config.json": json.dumps(source.tokenizer_config, indent=1).encode(),
     }
     state = {"step": 0, "imported_from": source.origin, "finite": True}
+    if Path(source.origin).is_dir():  # a GGUF file is no base PEFT can load
+        state[BASE_KEY] = hf_base_name(source.origin)
     try:
         save_checkpoint(tmp, [model], None, state, files)
     except BaseException:
@@ -158,10 +195,12 @@ def export_model(
     shard_bytes: int = 5 << 30,
     merge_lora: bool = False,
     gguf_type: str | None = None,
+    base: str | None = None,
 ) -> tuple[Path, Path, str]:
     """Write the Hugging Face directory of a checkpoint (or a run's newest good one): the full model, or for a
     LoRA run its adapter in PEFT's format (the full model with the adapters merged in: `merge_lora`); with
-    `gguf_type` (F32, F16, BF16, Q8_0) one GGUF file at `output` instead (adapters merged).
+    `gguf_type` (F32, F16, BF16, Q8_0) one GGUF file at `output` instead (adapters merged). An adapter names
+    `base` (default: the base the checkpoint records) as its base_model_name_or_path; with neither it is null.
     Returns (output, checkpoint, "model" | "adapter" | "gguf")."""
     from meshformer.checkpoint.inference import load_for_inference
     from meshformer.models.lora import lora_wanted, merged_state_dict, peft_adapter
@@ -176,7 +215,7 @@ def export_model(
     tmp.mkdir(parents=True)
     try:
         if adapter:
-            adapter_config, tensors = peft_adapter(model, cfg, base=str(cfg.load_checkpoint or ""))
+            adapter_config, tensors = peft_adapter(model, cfg, base=base or recorded_base(ckpt))
             save_file({k: v.to(DTYPE[dtype]).contiguous() for k, v in tensors.items()}, str(tmp / ADAPTER_WEIGHTS))
             (tmp / "adapter_config.json").write_text(json.dumps(adapter_config, indent=2))
             write_hf_dir(tmp, hf_cfg, {}, tok_json, tok_cfg, shard_bytes=shard_bytes, weights=False)

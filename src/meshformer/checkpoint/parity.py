@@ -1,10 +1,11 @@
 """`--verify`: the same tokens through meshformer and `transformers`, compared logit by logit.
 
 Reports the largest absolute logit difference over a fixed English paragraph and the perplexity each model gives
-it; a difference above the tolerance fails the command with exit 1. The tolerance is 1e-4 in fp32 (the seed asks
-for 1e-3), or RELATIVE_TOLERANCE of the largest logit when that is larger: in a deep model fp32 rounding alone
-moves large logits by more than 1e-4 (SmolLM2-135M, 30 layers, logits up to 30: transformers' own sdpa and eager
-attention differ by 6e-5, meshformer and transformers by 1.1e-4, perplexities equal to 4 digits).
+it; a difference above the tolerance fails the command with exit 1. The tolerance (meshformer/tolerance.py, which
+the commands' --help quotes) is TOLERANCE in fp32, or RELATIVE_TOLERANCE of the largest logit when that is
+larger: in a deep model fp32 rounding alone moves large logits by more than 1e-4 (SmolLM2-135M, 30 layers,
+logits up to 30: transformers' own sdpa and eager attention differ by 6e-5, meshformer and transformers by 1.1e-4,
+perplexities equal to 4 digits).
 `transformers` is an optional extra: without it the check says so and is skipped.
 """
 
@@ -18,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from meshformer.errors import RunFailed
+from meshformer.tolerance import RELATIVE_TOLERANCE, TOLERANCE
 
 # A fixed, plain paragraph (public domain: the opening of Jane Austen's "Pride and Prejudice").
 PARAGRAPH = (
@@ -26,8 +28,6 @@ PARAGRAPH = (
     "neighbourhood, this truth is so well fixed in the minds of the surrounding families, that he is considered "
     "the rightful property of some one or other of their daughters."
 )
-TOLERANCE = 1e-4
-RELATIVE_TOLERANCE = 1e-5
 
 
 @dataclass

@@ -7,10 +7,12 @@ meshformer export runs/sft --output hf/sft --verify                          # a
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
 from meshformer.errors import UserError
+from meshformer.tolerance import TOLERANCE_TEXT
 
 
 def add_parser(sub) -> None:
@@ -22,7 +24,11 @@ def add_parser(sub) -> None:
     )
     i.add_argument("source", help="a Hugging Face model directory or a .gguf file")
     i.add_argument("--output", required=True, help="the checkpoint directory to create (must not exist)")
-    i.add_argument("--verify", action="store_true", help="compare logits with transformers (exit 1 above 1e-4)")
+    i.add_argument(
+        "--verify",
+        action="store_true",
+        help=f"compare logits with transformers (exit 1 above {TOLERANCE_TEXT})",
+    )
     i.set_defaults(func=run_import)
     e = sub.add_parser(
         "export",
@@ -45,7 +51,17 @@ def add_parser(sub) -> None:
         action="store_true",
         help="LoRA runs: write the full model with the adapters merged in (default: the adapter, PEFT's format)",
     )
-    e.add_argument("--verify", action="store_true", help="load the result in transformers and compare logits")
+    e.add_argument(
+        "--base",
+        help="LoRA adapters: the Hugging Face id or directory of the base model, written as the adapter's "
+        "base_model_name_or_path (default: what the checkpoint recorded at import; needed when it recorded "
+        "none or the base has moved)",
+    )
+    e.add_argument(
+        "--verify",
+        action="store_true",
+        help=f"load the result in transformers and compare logits (exit 1 above {TOLERANCE_TEXT})",
+    )
     e.set_defaults(func=run_export)
 
 
@@ -81,10 +97,20 @@ def run_export(args) -> int:
 
     gguf_type = args.gguf_type if args.format == "gguf" else None
     out, ckpt, kind = export_model(
-        args.checkpoint, args.output, args.dtype, parse_size(args.shard_size), args.merge_lora, gguf_type
+        args.checkpoint, args.output, args.dtype, parse_size(args.shard_size), args.merge_lora, gguf_type, args.base
     )
     what = {"adapter": "a PEFT LoRA adapter", "model": f"the model, {args.dtype}", "gguf": f"GGUF {gguf_type}"}
     print(f"exported {ckpt} -> {out} ({what[kind]})")
+    if kind == "adapter":
+        base = json.loads((out / "adapter_config.json").read_text()).get("base_model_name_or_path")
+        print(
+            f"base model: {base} (peft.AutoPeftModelForCausalLM.from_pretrained({str(out)!r}) loads it)"
+            if base
+            else "base model: unknown (the checkpoint records no Hugging Face base): AutoPeftModelForCausalLM "
+            "needs it; PeftModel.from_pretrained(base_model, adapter_dir) works, or export again with --base"
+        )
+    elif args.base:
+        print(f"--base is for LoRA adapters; not used for {what[kind]}")
     if args.verify and kind != "model":
         print(f"--verify compares Hugging Face directories with transformers; not run for {what[kind]}")
     elif args.verify:

@@ -140,8 +140,10 @@ def merged_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     return state
 
 
-def peft_adapter(model: nn.Module, cfg: MeshformerConfig, base: str) -> tuple[dict, dict[str, torch.Tensor]]:
-    """(adapter_config.json, adapter_model.safetensors tensors) as PEFT writes them for a causal LM."""
+def peft_adapter(model: nn.Module, cfg: MeshformerConfig, base: str | None) -> tuple[dict, dict[str, torch.Tensor]]:
+    """(adapter_config.json, adapter_model.safetensors tensors) as PEFT writes them for a causal LM; `base` is the
+    Hugging Face id or directory AutoPeftModelForCausalLM loads the base model from (None: unknown, as PEFT writes
+    it for a model not loaded from the hub)."""
     pc = cfg.model.model_config.pet_config
     layers = lora_layers(model)
     tensors = {}

@@ -9,11 +9,20 @@ command line) and, when the window closes, every rank writes to `{output_dir}/pr
 Outside the window, a logging step (MFLossMonitor's per_print_times) runs under a light CPU(+CUDA) profiler so
 metrics.jsonl can say how much of it was spent in collectives (`time_comm_s`, observe/timing.py): at most every
 `PROBE_EVERY` steps (logging every step is common, and the probe costs that step a little), and the last step.
+
+Kineto (torch.profiler's backend) writes `USDT:... SyncActivityProfilerHandler.cpp:52] profiler_start` (and
+`profiler_stop`) to stderr on every start and stop, at its USDT severity, which ranks above ERROR: no
+KINETO_LOG_LEVEL silences them without silencing kineto's errors too. So stderr is caught around each start and
+stop and written back at once without exactly those lines (`_without_kineto_markers`); anything else passes.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
+import re
+import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -23,6 +32,41 @@ from meshformer.observe.timing import comm_seconds
 
 STEP_EVENT = "meshformer_step"
 PROBE_EVERY = 10
+_KINETO_MARKER = re.compile(rb"USDT:[^\n]*\] profiler_(start|stop)\r?\n?")
+
+
+@contextlib.contextmanager
+def _without_kineto_markers():
+    """File descriptor 2 into a temporary file for the block, then the file back to it minus kineto's markers."""
+    try:
+        sys.stderr.flush()
+        saved = os.dup(2)
+    except (OSError, ValueError):  # no usable stderr: nothing to keep clean
+        yield
+        return
+    with tempfile.TemporaryFile() as caught:
+        os.dup2(caught.fileno(), 2)
+        try:
+            yield
+        finally:
+            with contextlib.suppress(OSError, ValueError):
+                sys.stderr.flush()  # Python's own writes in the block belong to the caught ones
+            os.dup2(saved, 2)
+            os.close(saved)
+            caught.seek(0)
+            kept = b"".join(line for line in caught if not _KINETO_MARKER.fullmatch(line))
+            if kept:
+                os.write(2, kept)
+
+
+def _enter(prof: profile) -> None:
+    with _without_kineto_markers():
+        prof.__enter__()
+
+
+def _exit(prof: profile) -> None:
+    with _without_kineto_markers():
+        prof.__exit__(None, None, None)
 
 
 class StepProfiler:
@@ -55,13 +99,13 @@ class StepProfiler:
             self._open_window()
         if self._window is None and logging:
             self._probe = profile(activities=self.activities)
-            self._probe.__enter__()
+            _enter(self._probe)
         try:
             with record_function(STEP_EVENT):
                 yield
         finally:
             if self._probe is not None:
-                self._probe.__exit__(None, None, None)
+                _exit(self._probe)
             if self._window is not None:
                 self._window.step()
                 if step >= self.last:
@@ -81,11 +125,11 @@ class StepProfiler:
         if self.memory:
             torch.cuda.memory._record_memory_history(max_entries=200_000)
         self._window = profile(activities=self.activities, record_shapes=True, profile_memory=True, with_stack=False)
-        self._window.__enter__()
+        _enter(self._window)
 
     def _close_window(self) -> None:
         prof, self._window = self._window, None
-        prof.__exit__(None, None, None)
+        _exit(prof)
         r = self.env.rank
         prof.export_chrome_trace(str(self.dir / f"trace_rank{r}.json"))
         sort = "self_cuda_time_total" if self.env.device.type == "cuda" else "self_cpu_time_total"

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from meshformer.config.schema import MeshformerConfig
 from meshformer.config.validate import SPLIT_BACKWARD_SCHEDULES
 from meshformer.dtypes import DTYPE
+from meshformer.errors import UserError
 from meshformer.models import build_model, materialize
 from meshformer.models.cpu_linear import apply_cpu_matmul
 from meshformer.models.transforms import ModelTransform, apply_model_transforms
@@ -157,6 +158,19 @@ def clip_threshold(cfg: MeshformerConfig) -> float | None:
     return rw.max_grad_norm if rw.use_clip_grad else None
 
 
+def eval_micro_batch(cfg, train_micro_batch: int) -> int:
+    """Rows per evaluation forward pass on each data-parallel rank: eval_dataset.batch_size, else the training
+    micro-batch. A pipeline's stages receive buffers of the training micro-batch's shape, so there it must be a
+    multiple of that (evaluate cuts it into training-sized pieces)."""
+    size = cfg.eval_dataset.batch_size or train_micro_batch
+    if cfg.parallel_config.pipeline_stage > 1 and size % train_micro_batch:
+        raise UserError(
+            f"eval_dataset.batch_size={size}: with pipeline_stage {cfg.parallel_config.pipeline_stage} it must be "
+            f"a multiple of the training micro-batch ({train_micro_batch}), the shape the stages were built for"
+        )
+    return size
+
+
 @torch.no_grad()
 def evaluate(
     parts: ModelParts,
@@ -167,7 +181,8 @@ def evaluate(
 ) -> float:
     """Mean token loss over (inputs, labels[, documents]) batches, all data-parallel ranks together; forward only.
 
-    Batches are cut into training-sized micro-batches (pipeline stages were built for that shape).
+    Batches are cut into `micro_batch`-row pieces (eval_micro_batch; pipeline parts cut them further into the
+    training micro-batch their stages were built for).
     """
     parts.train(False)
     total = torch.zeros((), dtype=torch.float64, device=env.device)

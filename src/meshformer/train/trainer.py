@@ -16,6 +16,7 @@ import yaml
 from torch import Tensor
 
 from meshformer.checkpoint import store
+from meshformer.checkpoint.convert import BASE_KEY, base_of
 from meshformer.checkpoint.saver import CheckpointSaver
 from meshformer.config.load import to_dict
 from meshformer.config.schema import MeshformerConfig
@@ -35,12 +36,12 @@ from meshformer.train.finetune import apply_finetune_base
 from meshformer.train.loading import check_tokenizer, load_base_weights
 from meshformer.train.loss_scale import LossScaler
 from meshformer.train.memory import MemoryMeter
-from meshformer.train.optim import Optimizers, Schedule
+from meshformer.train.optim import Optimizers, Schedule, schedule_warnings
 from meshformer.train.preemption import StopRequests, stop_signals_held
 from meshformer.train.progress import Progress
 from meshformer.train.run_dir import RunDir, on_rank0
 from meshformer.train.spikes import MAX_ROLLBACKS, SpikeDetector
-from meshformer.train.step import build_parts, clip_threshold, evaluate, train_step
+from meshformer.train.step import build_parts, clip_threshold, eval_micro_batch, evaluate, train_step
 
 
 class Trainer:
@@ -59,9 +60,12 @@ class Trainer:
         self.run_dir.lock()
         try:
             # auto (for restarts): resume when a good checkpoint exists, else start over, replacing (safely)
-            # whatever an attempt that died before its first checkpoint left.
+            # whatever an attempt that died before its first checkpoint left; checkpoints that are all
+            # unusable are refused, not replaced (train/run_dir.py).
             replace = cfg.overwrite_output_dir or cfg.resume_training == "auto"
-            self.resume_from = self.run_dir.find_resume(cfg.resume_training, cfg.load_checkpoint, replace)
+            self.resume_from = self.run_dir.find_resume(
+                cfg.resume_training, cfg.load_checkpoint, cfg.overwrite_output_dir
+            )
             self._replaces_old_run = self.run_dir.check_existing(self.resume_from, replace)
             self._build_model()
             self.saver = self._make_saver()
@@ -107,15 +111,17 @@ class Trainer:
             self.eval_ds.check_tokenizer(
                 self.tokenizer_hash, self.mc.vocab_size, "eval_dataset.data_loader.dataset_dir"
             )
-            unit = self.env.dp_size * self.plan.micro_batch  # one micro-batch on every data-parallel rank
+            self.eval_micro_batch = eval_micro_batch(cfg, self.plan.micro_batch)
+            unit = self.env.dp_size * self.eval_micro_batch  # one eval micro-batch on every data-parallel rank
             if len(self.eval_ds) < unit:
                 raise UserError(
                     f"eval_dataset: {len(self.eval_ds)} validation samples of seq_length {self.mc.seq_length} "
-                    f"are fewer than one micro-batch per data-parallel rank ({unit}): add validation text "
-                    f"(preprocess --val-fraction) or lower model.model_config.seq_length"
+                    f"are fewer than one eval micro-batch ({self.eval_micro_batch}) per data-parallel rank "
+                    f"({unit} in all): set eval_dataset.batch_size lower, add validation text (preprocess "
+                    f"--val-fraction) or lower model.model_config.seq_length"
                 )
-            # One global batch per eval iteration (whole micro-batches), split over dp like training.
-            eval_batch = min(self.plan.global_batch, len(self.eval_ds) // unit * unit)
+            # About one training global batch per eval iteration (whole eval micro-batches), split over dp.
+            eval_batch = min(max(self.plan.global_batch // unit, 1) * unit, len(self.eval_ds) // unit * unit)
             self.eval_batches = GlobalBatches(
                 SampleOrder(len(self.eval_ds), 0, False), eval_batch, self.env.dp_rank, self.env.dp_size
             )
@@ -128,12 +134,8 @@ class Trainer:
         self.batches = GlobalBatches(order, self.plan.global_batch, self.env.dp_rank, self.env.dp_size)
         rc = cfg.runner_config
         self.total_steps = rc.stop_step or rc.epochs * self.batches.per_epoch
-        ls = cfg.lr_schedule
-        if 0 < ls.total_steps < self.total_steps:
-            self.console.log(
-                f"warning: lr_schedule.total_steps={ls.total_steps} is shorter than the run ({self.total_steps} "
-                f"steps): from step {ls.total_steps} on the learning rate stays at lr_end={ls.lr_end:g}"
-            )
+        for warning in schedule_warnings(cfg, self.total_steps):
+            self.console.log(f"warning: {warning}")
 
     def _build_model(self) -> None:
         cfg = self.cfg
@@ -161,6 +163,7 @@ class Trainer:
         self.last_finite = True
         self.early = EarlyStopping(cfg.runner_config.early_stopping_patience)
         self.scaler = LossScaler.from_config(cfg)  # fp16: dynamic loss scaling (train/loss_scale.py)
+        self.hf_base = None  # the Hugging Face model the weights came from, for an exported adapter's config
         if self.resume_from is not None:
             self._restore(self.resume_from)
         elif cfg.load_checkpoint:
@@ -171,6 +174,7 @@ class Trainer:
             src, self.cfg, self.parts.parts, self.expected_shapes, self.tokenizer_hash, self.run_dir
         )
         self.console.log(f"loaded weights from {where}")
+        self.hf_base = base_of(src)
 
     def _check_ckpt_tokenizer(self, ckpt: Path) -> None:
         check_tokenizer(ckpt, self.tokenizer_hash)
@@ -198,6 +202,7 @@ class Trainer:
         self.rollbacks = int(state.get("rollbacks", 0))
         self.early = EarlyStopping(self.cfg.runner_config.early_stopping_patience, state)
         self.scaler.load(state)
+        self.hf_base = state.get(BASE_KEY)
         self.console.log(f"resumed from {ckpt} at step {self.start_step}")
 
     # ---- the loop -----------------------------------------------------------------------------------------
@@ -207,7 +212,7 @@ class Trainer:
         print_every = mons["MFLossMonitor"].per_print_times if "MFLossMonitor" in mons else 1
         ckpt_cb = mons.get("CheckpointMonitor")
         if self._replaces_old_run:
-            self.run_dir.replace_old()  # only now: this run's model is built and loaded, its data opened
+            self.run_dir.replace_old(cfg.tensorboard.tensorboard_dir)  # only now: model built and loaded, data opened
         log = M.MetricsLog(self.out, env.is_metrics_rank, self.start_step if self.resume_from else None)
         self.observers = RunObservers(cfg, env, self.out, self.console.log)
         compute_dtype = DTYPE[self.mc.compute_dtype]
@@ -407,7 +412,7 @@ class Trainer:
             for b in range(min(self.cfg.eval_config.eval_iters, order.per_epoch)):
                 yield self._inputs_labels(ds, order, b)
 
-        return evaluate(self.parts, self.env, batches(), self.plan.micro_batch, self.mc.ignore_token_id)
+        return evaluate(self.parts, self.env, batches(), self.eval_micro_batch, self.mc.ignore_token_id)
 
     # ---- checkpoints --------------------------------------------------------------------------------------
     def _make_saver(self) -> CheckpointSaver:
@@ -442,6 +447,7 @@ class Trainer:
             "best": best,  # early stopping: pruning keeps the newest checkpoint marked best
             **self.early.state(),
             **self.scaler.state(),
+            **({BASE_KEY: self.hf_base} if self.hf_base else {}),
         }
         files = {
             "config.yaml": yaml.safe_dump(to_dict(self.cfg), sort_keys=False).encode(),
