@@ -295,6 +295,10 @@ def test_cli_missing_checkpoint_and_bad_prompt(fake_checkpoint, tmp_path, capsys
     assert "--checkpoint" in capsys.readouterr().err
     assert main(["generate", "--checkpoint", str(path), "--prompt", "   "]) == 2
     assert "--prompt" in capsys.readouterr().err
+    # a typo'd length is refused before its KV cache is allocated (10**15 tokens: petabytes even for this model)
+    assert main(["generate", "--checkpoint", str(path), "--prompt", "w1", "--max-new-tokens", str(10**15)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("meshformer: error: --max-new-tokens") and "KV cache alone would take" in err, err
 
 
 def test_cli_stops_at_the_tokenizers_eos(model, tmp_path, monkeypatch, capsys):

@@ -1,7 +1,9 @@
-"""`meshformer generate`: continue a prompt with a trained checkpoint.
+"""`meshformer generate`: continue a prompt with a trained checkpoint, or chat with it.
 
 The checkpoint (a run's output_dir, whose newest checkpoint is used, or one checkpoint directory) is loaded by
-`meshformer.checkpoint.load_for_inference`, which returns the model, its config and its tokenizer.
+`meshformer.checkpoint.load_for_inference`, which returns the model, its config and its tokenizer. One prompt
+(and every conversation, `cli/generate_chat.py`) prints its text as the tokens come; several prompts run as one
+left-padded batch and print when it ends.
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ def add_parser(subparsers) -> None:
         "generate",
         help="Generate text from a checkpoint.",
         description="Continue --prompt (several: repeat it, or --prompts-file) with a trained model and print "
-        "prompt + completion; several prompts run as one left-padded batch.",
+        "prompt + completion as it is generated; several prompts run as one left-padded batch. --chat replies "
+        "instead: to --prompt, to a scripted conversation (--messages FILE) or, on a terminal, interactively.",
     )
     p.add_argument(
         "--checkpoint",
@@ -38,7 +41,17 @@ def add_parser(subparsers) -> None:
         "--json", action="store_true", help='print one JSON object per prompt: {"prompt", "completion", "tokens"}'
     )
     p.add_argument(
-        "--chat", action="store_true", help="apply the model's chat template to --prompt and print only the reply"
+        "--chat",
+        action="store_true",
+        help="apply the model's chat template and print only the reply; with no --prompt or --messages, on a "
+        "terminal: a conversation read from stdin (/exit or Ctrl-D ends)",
+    )
+    p.add_argument(
+        "--messages",
+        default=None,
+        metavar="FILE",
+        help="with --chat (implied): a conversation, a JSON list of {role, content} or JSONL; every user message "
+        "not followed by an assistant's gets a reply, with the whole history before it",
     )
     p.add_argument("--system", default=None, help="with --chat: a system message before the user's")
     p.add_argument(
@@ -77,21 +90,58 @@ def check_args(args: argparse.Namespace) -> None:
         if not f.is_file():
             raise UserError(f"--prompts-file {args.prompts_file!r} is not a file: give a text file, a prompt a line")
         args.prompt = [*args.prompt, *(ln for ln in f.read_text(encoding="utf-8").splitlines() if ln.strip())]
-    if not args.prompt:
+    if args.messages is not None:
+        args.chat = True
+        if args.prompt:
+            raise UserError("--messages and --prompt: give the conversation in one of them (add the turn to FILE)")
+    if args.system is not None and not args.chat:
+        raise UserError("--system: only with --chat (a plain prompt has no turns)")
+    interactive = args.chat and not args.prompt and args.messages is None
+    if interactive and not sys.stdin.isatty():
+        raise UserError(
+            "--chat: stdin is not a terminal: give --prompt TEXT or --messages FILE (a JSON list of {role, content})"
+        )
+    if not args.prompt and not args.chat:
         raise UserError("--prompt: give the text to continue (repeat --prompt, or --prompts-file, for several)")
     if args.max_new_tokens < 1:
         raise UserError(f"--max-new-tokens {args.max_new_tokens}: give at least 1")
-    if args.temperature < 0:
+    if not args.temperature >= 0:  # also nan, which torch.multinomial refuses with a traceback
         raise UserError(f"--temperature {args.temperature}: must be >= 0 (0 means greedy)")
     if not 0 < args.top_p <= 1:
         raise UserError(f"--top-p {args.top_p}: must be in (0, 1]; 1 turns nucleus sampling off")
     if args.top_k < 0:
         raise UserError(f"--top-k {args.top_k}: must be >= 0; 0 turns top-k off")
-    if args.seed is not None and args.seed < 0:
-        raise UserError(f"--seed {args.seed}: must be >= 0")
+    if args.seed is not None and not 0 <= args.seed < 2**64:  # torch.Generator.manual_seed's range
+        raise UserError(f"--seed {args.seed}: must be in [0, 2**64)")
     if not Path(args.checkpoint).exists():
         raise UserError(
             f"--checkpoint {args.checkpoint!r} does not exist: pass a run's output_dir or a checkpoint directory"
+        )
+
+
+def check_cache_fits(max_new_tokens: int, rows: int, model) -> None:
+    """The KV cache is allocated for prompt + max_new_tokens at once: refuse a length whose cache alone would not
+    fit in the device's free memory, before allocating it (a typo such as 10**9 would otherwise crash or swap)."""
+    import torch
+
+    mc, p = model.config, next(model.parameters())
+    per_token = 2 * mc.num_layers * mc.num_kv_heads * mc.dim_per_head * p.element_size() * rows
+    if p.device.type == "cuda":
+        free = torch.cuda.mem_get_info(p.device)[0]
+    else:
+        free = next(
+            (
+                int(ln.split()[1]) * 1024
+                for ln in Path("/proc/meminfo").read_text().splitlines()
+                if ln.startswith("MemAvailable:")
+            ),
+            None,
+        )
+    need = per_token * max_new_tokens
+    if free is not None and need > free:
+        raise UserError(
+            f"--max-new-tokens {max_new_tokens}: its KV cache alone would take {need / 2**30:.1f} GiB, more than "
+            f"the {free / 2**30:.1f} GiB free on {p.device.type}: give at most {free // per_token:,}"
         )
 
 
@@ -106,24 +156,6 @@ def special_ids(tokenizer, mc) -> tuple[int | None, int | None]:
     bos = mc.bos_token_id if mc.bos_token_id is not None else found["bos"]
     eos = mc.eos_token_id if mc.eos_token_id is not None else found["eos"]
     return bos, eos
-
-
-def chat_prompt(args, tokenizer, prompt: str) -> tuple[str, set[int]]:
-    """(the rendered conversation up to the assistant's turn, the token ids that end a reply)."""
-    from meshformer.checkpoint.store import resolve_checkpoint
-    from meshformer.data.chat import load_chat_template, render_chat, template_tokens
-
-    ckpt = resolve_checkpoint(args.checkpoint)
-    tok_cfg_file = ckpt / "tokenizer_config.json"
-    tok_cfg = json.loads(tok_cfg_file.read_text(encoding="utf-8")) if tok_cfg_file.is_file() else {}
-    template = load_chat_template(ckpt, args.template)
-    messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
-        {"role": "user", "content": prompt}
-    ]
-    specials = template_tokens(tok_cfg)
-    text = render_chat(template, messages, add_generation_prompt=True, **specials)
-    ends = (specials["eos_token"], "<|im_end|>", "<|eot_id|>", "<|end|>", "</s>")
-    return text, {i for t in ends if t and (i := tokenizer.token_to_id(t)) is not None}
 
 
 def encode_prompt(tokenizer, prompt: str, mc, bos: int | None, add_special_tokens: bool = True) -> list[int]:
@@ -146,21 +178,18 @@ def run(args: argparse.Namespace) -> int:
 
     check_args(args)
     from meshformer import checkpoint  # looked up at call time so tests can substitute the loader
-    from meshformer.models.generate import generate_batch
+    from meshformer.cli import generate_chat
 
+    messages = generate_chat.read_messages(args.messages) if args.messages is not None else None
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     model, cfg, tokenizer = checkpoint.load_for_inference(args.checkpoint, device=device)
     mc = cfg.model.model_config
+    check_cache_fits(args.max_new_tokens, max(len(args.prompt), 1), model)
     bos, eos = special_ids(tokenizer, mc)
     stop: set[int] = {eos} if eos is not None else set()
-    prompts = []
-    for prompt in args.prompt:
-        if args.chat:
-            text, chat_stop = chat_prompt(args, tokenizer, prompt)
-            prompts.append(encode_prompt(tokenizer, text, mc, bos, add_special_tokens=False))
-            stop |= chat_stop
-        else:
-            prompts.append(encode_prompt(tokenizer, prompt, mc, bos))
+    spec = generate_chat.chat_spec(args.checkpoint, args.template, tokenizer) if args.chat else None
+    if spec is not None:
+        stop |= spec.stop
     gen = None
     if not args.greedy:
         gen = torch.Generator(device=next(model.parameters()).device)
@@ -168,11 +197,8 @@ def run(args: argparse.Namespace) -> int:
             gen.seed()
         else:
             gen.manual_seed(args.seed)
-    t0 = time.perf_counter()
-    news = generate_batch(
-        model,
-        prompts,
-        args.max_new_tokens,
+    sampling = dict(
+        max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
         top_p=args.top_p,
         top_k=args.top_k,
@@ -180,16 +206,75 @@ def run(args: argparse.Namespace) -> int:
         eos_id=stop,
         generator=gen,
     )
+    t0 = time.perf_counter()
+    if args.chat and (len(args.prompt) == 1 or not args.prompt):
+        n = _converse(args, model, tokenizer, spec, mc, bos, sampling, messages)
+    elif len(args.prompt) == 1 and not args.json:
+        n = _stream_plain(args.prompt[0], model, tokenizer, mc, bos, sampling)
+    else:
+        n = _batch(args, model, tokenizer, spec, mc, bos, sampling)
     dt = time.perf_counter() - t0
+    print(f"generated {n} tokens in {dt:.2f}s ({n / max(dt, 1e-9):.1f} tokens/s)", file=sys.stderr)
+    return 0
+
+
+def _converse(args, model, tokenizer, spec, mc, bos, sampling, messages) -> int:
+    from meshformer.cli.generate_chat import Chat, with_system
+
+    def encode(text: str) -> list[int]:
+        return encode_prompt(tokenizer, text, mc, bos, add_special_tokens=False)
+
+    chat = Chat(model, tokenizer, spec, encode, sampling, quiet=args.json)
+    if messages is None and not args.prompt:
+        print(f"chatting with {args.checkpoint}: type a message; /exit or Ctrl-D ends", file=sys.stderr)
+        chat.interactive(args.system)
+        return chat.tokens
+    if messages is None:
+        messages = [{"role": "user", "content": args.prompt[0]}]
+    answered = chat.scripted(with_system(messages, args.system))
+    if args.json:
+        for prompt, reply, tokens in answered:
+            print(json.dumps({"prompt": prompt, "completion": reply, "tokens": tokens}, ensure_ascii=False))
+    return chat.tokens
+
+
+def _stream_plain(prompt: str, model, tokenizer, mc, bos, sampling) -> int:
+    from meshformer.cli.generate_chat import StreamText
+    from meshformer.models import generate as gen
+
+    ids = encode_prompt(tokenizer, prompt, mc, bos)
+    stream = StreamText(tokenizer, prefix_ids=ids)
+    sys.stdout.write(prompt)
+    sys.stdout.flush()
+    n = 0
+    for tok in gen.generate_stream(model, ids, **sampling):
+        n += 1
+        sys.stdout.write(stream.push(tok))
+        sys.stdout.flush()
+    print(stream.finish())
+    return n
+
+
+def _batch(args, model, tokenizer, spec, mc, bos, sampling) -> int:
+    from meshformer.cli.generate_chat import with_system
+    from meshformer.models.generate import generate_batch
+
+    stop = sampling["eos_id"]
+    prompts = []
+    for prompt in args.prompt:
+        if spec is not None:
+            text = spec.render(with_system([{"role": "user", "content": prompt}], args.system))
+            prompts.append(encode_prompt(tokenizer, text, mc, bos, add_special_tokens=False))
+        else:
+            prompts.append(encode_prompt(tokenizer, prompt, mc, bos))
+    news = generate_batch(model, prompts, **sampling)
     texts = [_completion(args, tokenizer, p, ids, new, stop) for p, ids, new in zip(args.prompt, prompts, news)]
     for k, (prompt, text, new) in enumerate(zip(args.prompt, texts, news)):
         if args.json:
             print(json.dumps({"prompt": prompt, "completion": text, "tokens": len(new)}, ensure_ascii=False))
         else:
             print(("\n" if k else "") + (text if args.chat else prompt + text))
-    n = sum(len(new) for new in news)
-    print(f"generated {n} tokens in {dt:.2f}s ({n / max(dt, 1e-9):.1f} tokens/s)", file=sys.stderr)
-    return 0
+    return sum(len(new) for new in news)
 
 
 def _completion(args, tokenizer, prompt: str, ids: list[int], new: list[int], stop: set[int]) -> str:

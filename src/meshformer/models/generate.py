@@ -1,12 +1,13 @@
 """Autoregressive text generation with the model's KV cache, one prompt or a left-padded batch.
 
 The prompt is run once (prefill) into a cache sized for prompt + new tokens; after that each step feeds
-only the newest token. Sampling follows the usual order: temperature, then top-k, then top-p (nucleus).
+only the newest token. `generate_stream` yields each token as it is sampled (the CLI prints text as it comes).
+Sampling follows the usual order: temperature, then top-k, then top-p (nucleus).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 import torch
 
@@ -73,7 +74,63 @@ def _as_ids(prompt: list[int] | torch.Tensor) -> list[int]:
     return [int(t) for t in prompt]
 
 
-@torch.no_grad()
+def _steps(
+    model,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    temperature: float,
+    top_p: float,
+    top_k: int,
+    greedy: bool,
+    eos_id: int | Iterable[int] | None,
+    generator: torch.Generator | None,
+) -> Iterator[list[int | None]]:
+    """Yield each step's new token per row (None for a row already done) until every row is done.
+
+    A generator, so `generate_stream` hands out tokens as they are sampled; the model's training mode is restored
+    when it ends or is closed early.
+    """
+    prompts = [_as_ids(p) for p in prompts]
+    _check(prompts, temperature, top_p, top_k)
+    if max_new_tokens <= 0:
+        return
+    stop = {eos_id} if isinstance(eos_id, int) else set(eos_id or ())
+    device = next(model.parameters()).device
+    longest = max(len(p) for p in prompts)
+    tokens = torch.tensor([[p[0]] * (longest - len(p)) + p for p in prompts], device=device)
+    documents = None
+    if any(len(p) < longest for p in prompts):
+        pad = torch.tensor([longest - len(p) for p in prompts], device=device)
+        documents = (torch.arange(longest, device=device)[None, :] >= pad[:, None]).long()
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():  # around each model call, so grad mode never leaks into the caller between yields
+            cache = model.new_kv_cache(len(prompts), longest + max_new_tokens)
+            logits = model(tokens, cache, documents)[:, -1]
+        counts = [0] * len(prompts)
+        done = [False] * len(prompts)
+        while True:
+            step: list[int] = []
+            emitted: list[int | None] = []
+            for r, row in enumerate(logits):
+                tok = next_token(
+                    row, temperature=temperature, top_p=top_p, top_k=top_k, greedy=greedy, generator=generator
+                )
+                emitted.append(None if done[r] else tok)
+                if not done[r]:
+                    counts[r] += 1
+                    done[r] = tok in stop or counts[r] == max_new_tokens
+                step.append(tok)
+            yield emitted
+            if all(done):
+                return
+            with torch.no_grad():
+                logits = model(torch.tensor(step, device=device)[:, None], cache)[:, -1]
+    finally:
+        model.train(was_training)
+
+
 def generate_batch(
     model,
     prompts: list[list[int]],
@@ -92,40 +149,29 @@ def generate_batch(
     emitting an `eos_id` (included in its result); the batch stops when every row has, or after max_new_tokens.
     Rows sample in order from one `generator`, so a batch of one draws what `generate` draws.
     """
-    prompts = [_as_ids(p) for p in prompts]
-    _check(prompts, temperature, top_p, top_k)
-    if max_new_tokens <= 0:
-        return [[] for _ in prompts]
-    stop = {eos_id} if isinstance(eos_id, int) else set(eos_id or ())
-    device = next(model.parameters()).device
-    longest = max(len(p) for p in prompts)
-    tokens = torch.tensor([[p[0]] * (longest - len(p)) + p for p in prompts], device=device)
-    documents = None
-    if any(len(p) < longest for p in prompts):
-        pad = torch.tensor([longest - len(p) for p in prompts], device=device)
-        documents = (torch.arange(longest, device=device)[None, :] >= pad[:, None]).long()
-    was_training = model.training
-    model.eval()
-    try:
-        cache = model.new_kv_cache(len(prompts), longest + max_new_tokens)
-        logits = model(tokens, cache, documents)[:, -1]
-        out: list[list[int]] = [[] for _ in prompts]
-        done = [False] * len(prompts)
-        while True:
-            step = []
-            for r, row in enumerate(logits):
-                tok = next_token(
-                    row, temperature=temperature, top_p=top_p, top_k=top_k, greedy=greedy, generator=generator
-                )
-                if not done[r]:
-                    out[r].append(tok)
-                    done[r] = tok in stop or len(out[r]) == max_new_tokens
-                step.append(tok)
-            if all(done):
-                return out
-            logits = model(torch.tensor(step, device=device)[:, None], cache)[:, -1]
-    finally:
-        model.train(was_training)
+    out: list[list[int]] = [[] for _ in prompts]
+    for emitted in _steps(model, prompts, max_new_tokens, temperature, top_p, top_k, greedy, eos_id, generator):
+        for row, tok in zip(out, emitted):
+            if tok is not None:
+                row.append(tok)
+    return out
+
+
+def generate_stream(
+    model,
+    prompt_ids: list[int] | torch.Tensor,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    greedy: bool = False,
+    eos_id: int | Iterable[int] | None = None,
+    generator: torch.Generator | None = None,
+) -> Iterator[int]:
+    """`generate`, one token at a time as each is sampled (the same tokens, the same draws from `generator`)."""
+    steps = _steps(model, [_as_ids(prompt_ids)], max_new_tokens, temperature, top_p, top_k, greedy, eos_id, generator)
+    for (tok,) in steps:
+        yield tok
 
 
 def generate(
@@ -150,4 +196,4 @@ def generate(
     )[0]
 
 
-__all__ = ["generate", "generate_batch", "next_token", "top_k_filter", "top_p_filter"]
+__all__ = ["generate", "generate_batch", "generate_stream", "next_token", "top_k_filter", "top_p_filter"]
