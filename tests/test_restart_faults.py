@@ -19,7 +19,7 @@ import pytest
 from conftest import EMPTY, checksums, refused, tiny_overrides
 from meshformer.checkpoint import store
 from meshformer.cli.main import main
-from meshformer.train.run_dir import RunDir
+from meshformer.train.run_dir import REPLACED, RunDir
 from meshformer.train.trainer import Trainer
 
 EVERY_STEP = "[{type: MFLossMonitor, per_print_times: 100}, {type: CheckpointMonitor, save_checkpoint_steps: 1}]"
@@ -268,3 +268,21 @@ def test_an_output_dir_without_write_permission_is_one_line(tiny_dataset, tmp_pa
     finally:
         out.chmod(0o755)
     assert checksums(out) == before
+
+
+def test_a_stop_signal_during_the_move_puts_everything_back(tiny_dataset, old_run, capsys, monkeypatch):
+    """Ctrl-C (or a preemption signal) while the old run is being moved aside: every file is back in place, not
+    half moved (a later auto restart would otherwise resume the run the user asked to replace)."""
+    before = checksums(old_run)
+    real, calls = Path.rename, []
+
+    def rename(self, target):
+        calls.append(self)
+        if len(calls) == 3 and REPLACED in str(target):
+            raise KeyboardInterrupt
+        return real(self, target)
+
+    monkeypatch.setattr(Path, "rename", rename)
+    assert train(tiny_dataset, old_run, overwrite_output_dir=True, **tb(old_run)) == 130
+    monkeypatch.undo()
+    assert checksums(old_run) == before and not list(old_run.glob(REPLACED + "*"))

@@ -88,6 +88,12 @@ def dcp_problem(files: list[Path], root: Path) -> str | None:
         if len({dt for dt, _, _ in parts}) > 1 or len({len(s) for _, _, s in parts}) > 1:
             return f"tensor {k!r} is saved with different dtypes or ranks in different shards"
         full = [max(o[i] + s[i] for _, o, s in parts) for i in range(len(parts[0][2]))]
-        if sum(math.prod(s) for _, _, s in parts) != math.prod(full):
+        boxes = [(o, s) for _, o, s in parts]
+        overlap = any(
+            all(a[0][i] < b[0][i] + b[1][i] and b[0][i] < a[0][i] + a[1][i] for i in range(len(full)))
+            for n, a in enumerate(boxes)
+            for b in boxes[n + 1 :]
+        )
+        if overlap or sum(math.prod(s) for _, s in boxes) != math.prod(full):
             return f"tensor {k!r}: its shards do not cover its {full} shape exactly once (a shard missing or foreign)"
     return None

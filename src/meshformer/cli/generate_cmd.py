@@ -101,6 +101,8 @@ def check_args(args: argparse.Namespace) -> None:
         raise UserError(
             "--chat: stdin is not a terminal: give --prompt TEXT or --messages FILE (a JSON list of {role, content})"
         )
+    if interactive and args.json:
+        raise UserError("--json: not with an interactive --chat (give the turns with --messages FILE)")
     if not args.prompt and not args.chat:
         raise UserError("--prompt: give the text to continue (repeat --prompt, or --prompts-file, for several)")
     if args.max_new_tokens < 1:

@@ -22,8 +22,9 @@ from meshformer.train.preemption import STOP_SIGNALS, StoppedBeforeTraining
 BACKSTOP_SECONDS = 15.0
 
 
-def children(pid: int) -> list[int]:
-    """The live child processes of pid (ppid is the 4th field of /proc/N/stat, after the parenthesised name)."""
+def children(pid: int, zombies: bool = False) -> list[int]:
+    """The child processes of pid, live ones only unless `zombies` (ppid is the 4th field of /proc/N/stat, after
+    the parenthesised name)."""
     found = []
     for d in Path("/proc").iterdir():
         if not d.name.isdigit():
@@ -32,7 +33,7 @@ def children(pid: int) -> list[int]:
             fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
         except (OSError, IndexError):
             continue
-        if fields and fields[0] != "Z" and int(fields[1]) == pid:
+        if fields and (zombies or fields[0] != "Z") and int(fields[1]) == pid:
             found.append(int(d.name))
     return found
 
@@ -67,8 +68,9 @@ class StderrOnce:
             while chunk := os.read(read, 65536):
                 *lines, pending = (pending + chunk).split(b"\n")
                 self._write(b"".join(line + b"\n" for line in lines if self._keep(line)))
-        if pending and self._keep(pending):
-            self._write(pending)
+        with contextlib.suppress(OSError):
+            if pending and self._keep(pending):
+                self._write(pending)
         os.close(read)
 
     def _keep(self, line: bytes) -> bool:
@@ -109,7 +111,7 @@ class Forwarder:
     def _forward(self, signum, frame) -> None:
         name = signal.Signals(signum).name
         workers = children(os.getpid())
-        if not workers:
+        if not workers and not children(os.getpid(), zombies=True):  # dead, unreaped workers: their failure counts
             raise StoppedBeforeTraining(f"{name}: stopped before the workers started; nothing to save")
         if self.sent is None:
             self.sent = signum

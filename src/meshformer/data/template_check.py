@@ -108,6 +108,10 @@ def check_dataset(directory: str | Path, dataset: str | Path) -> tuple[int, list
     dtype = np.dtype(meta["dtype"]).newbyteorder("<")
     info = meta["splits"].get("validation") or {}
     count, samples = info.get("tokens", 0), info.get("samples", 0)
+    if not isinstance(samples, int) or isinstance(samples, bool) or samples < 0:
+        raise UserError(
+            f"--data {ds}: meta.json's splits.validation.samples={samples!r} is not a count: re-run preprocess"
+        )
     tokens = map_array(ds / "validation.bin", dtype, count, "tokens")
     masks = map_array(ds / "validation.mask.bin", np.dtype(np.uint8), count, "mask bytes")
     offsets = load_offsets(ds / "validation.idx.npy", samples, count)

@@ -197,11 +197,13 @@ class RunDir:
                     (aside / rel).parent.mkdir(parents=True, exist_ok=True)
                     (self.out / rel).rename(aside / rel)
                     moved.append(rel)
-            except OSError as e:
+            except BaseException as e:  # a stop signal too: never leave the old run half moved
                 for rel in reversed(moved):
                     (aside / rel).rename(self.out / rel)
                 if aside.is_dir():
                     _remove_empty_dirs(aside)
+                if not isinstance(e, OSError):
+                    raise
                 raise UserError(
                     f"output_dir={str(self.out)!r}: could not move the earlier run aside ({e.strerror or e}: "
                     f"{e.filename}); it is as it was: make output_dir writable (one filesystem), or choose another "

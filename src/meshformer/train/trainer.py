@@ -16,7 +16,8 @@ import yaml
 from torch import Tensor
 
 from meshformer.checkpoint import store
-from meshformer.checkpoint.convert import BASE_KEY, base_of
+from meshformer.checkpoint.convert import BASE_KEY, hf_base_name, recorded_base
+from meshformer.checkpoint.hf_dir import is_hf_dir
 from meshformer.checkpoint.saver import CheckpointSaver
 from meshformer.config.load import to_dict
 from meshformer.config.schema import MeshformerConfig
@@ -174,7 +175,8 @@ class Trainer:
             src, self.cfg, self.parts.parts, self.expected_shapes, self.tokenizer_hash, self.run_dir
         )
         self.console.log(f"loaded weights from {where}")
-        self.hf_base = base_of(src)
+        # from the checkpoint load_base_weights resolved (rank 0, once), not resolved and hashed again here
+        self.hf_base = hf_base_name(src) if is_hf_dir(src) else recorded_base(Path(where))
 
     def _check_ckpt_tokenizer(self, ckpt: Path) -> None:
         check_tokenizer(ckpt, self.tokenizer_hash)
