@@ -12,6 +12,11 @@ class UserError(Exception):
     exit_code = 2
 
 
+def first_line(e: BaseException, limit: int = 120) -> str:
+    """A library exception in a few words for a one-line error: its message's first line, else its type."""
+    return (str(e).strip().splitlines() or [type(e).__name__])[0][:limit]
+
+
 class RunFailed(Exception):
     """The run stopped for a reason that is not a bad input (e.g. the loss stayed non-finite). Exit code 1."""
 

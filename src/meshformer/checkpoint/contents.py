@@ -16,6 +16,8 @@ import math
 import os
 from pathlib import Path
 
+from meshformer.errors import first_line
+
 DCP_KEY = "DCP_SHARDING_INFO"  # torch.distributed.checkpoint._hf_utils.CUSTOM_METADATA_KEY
 OFFSETS_KEY = "saved_offsets"
 
@@ -49,7 +51,7 @@ def read_header(path: Path) -> tuple[dict[str, tuple[str, tuple[int, ...]]], dic
                 s = f.get_slice(k)
                 tensors[k] = (s.get_dtype(), tuple(s.get_shape()))
     except (SafetensorError, OSError, ValueError, RuntimeError) as e:
-        return f"is not a valid safetensors file ({(str(e).strip().splitlines() or [type(e).__name__])[0][:120]})"
+        return f"is not a valid safetensors file ({first_line(e)})"
     bad = next((k for k, (dt, _) in tensors.items() if dt not in _TYPES), None)
     if bad is not None:
         return f"is not a valid safetensors file (tensor {bad!r} has dtype {tensors[bad][0]!r})"

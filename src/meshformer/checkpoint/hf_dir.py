@@ -23,7 +23,7 @@ from safetensors.torch import save_file
 
 from meshformer.checkpoint.contents import outside
 from meshformer.checkpoint.source import SourceModel
-from meshformer.errors import UserError
+from meshformer.errors import UserError, first_line
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 BIN_INDEX = "pytorch_model.bin.index.json"
@@ -114,9 +114,8 @@ def _load_bin(f: Path) -> object:
             f"transformers' AutoModelForCausalLM.from_pretrained(dir).save_pretrained(out)"
         ) from None
     except Exception as e:
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:100]
         raise UserError(
-            f"{f}: not a readable PyTorch weights file ({first}): it is truncated or damaged, or an old "
+            f"{f}: not a readable PyTorch weights file ({first_line(e, 100)}): it is truncated or damaged, or an old "
             f"non-zip torch.save file; copy it again, or convert it to safetensors where you trust its source"
         ) from None
 

@@ -120,7 +120,8 @@ def merge(ckpt: Path, output: Path, overwrite: bool = False, with_optimizer: boo
     output.parent.mkdir(parents=True, exist_ok=True)
     tmp = output.with_name(f".{output.name}.tmp-merge-{os.getpid()}")
     old = output.with_name(f".{output.name}.old-merge-{os.getpid()}")
-    for leftover in (tmp, old):  # names only a merge creates (a killed one's)
+    # names only a merge of this pid creates: an earlier one's that was killed; other pids' may still be running
+    for leftover in (tmp, old):
         shutil.rmtree(leftover, ignore_errors=True)
     try:
         export_model(ckpt, tmp, dtype=dtype, merge_lora=True)
