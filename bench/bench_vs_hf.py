@@ -90,7 +90,7 @@ def parse_args(argv=None):
         choices=("default", "retained"),
         default="default",
         help="HF side's malloc: glibc's settled defaults (as a process of its own runs), or meshformer's retained "
-        "host memory (train/host_memory.py)",
+        "host memory (backends/cpu.py)",
     )
     return p.parse_args(argv)
 
@@ -259,7 +259,7 @@ def main(argv=None) -> int:
     torch.manual_seed(a.seed)
     import transformers
 
-    from meshformer.train.host_memory import GLIBC_SETTLED, RETAINED, set_malloc
+    from meshformer.backends.cpu import GLIBC_SETTLED, RETAINED, set_malloc
     from meshformer.train.metrics import flops_per_token
 
     cfg, env, parts, mf_opt, n_params, n_emb = build_meshformer(a)
@@ -272,7 +272,7 @@ def main(argv=None) -> int:
         f"torch {torch.__version__}, transformers {transformers.__version__}, {torch.get_num_threads()} threads, "
         f"dtype {a.dtype}" + (" (autocast bf16, fp32 master weights)" if autocast_dtype else "")
     )
-    if cfg.retain_host_memory:  # build_parts tuned this process's malloc (train/host_memory.py)
+    if cfg.retain_host_memory:  # build_parts tuned this process's malloc (backends/cpu.py)
         print(
             "host memory: meshformer's rounds retain it (retain_host_memory); HF's rounds run with "
             + ("it too (--hf-host-memory retained)" if a.hf_host_memory == "retained" else "glibc's settled defaults")
@@ -307,7 +307,7 @@ def main(argv=None) -> int:
         "meshformer": lambda t: meshformer_step(cfg, env, parts, mf_opt, t),
         "HF": lambda t: hf_step(hf, hf_opt, t, autocast_dtype, a.max_grad_norm),
     }
-    # malloc settings per side (train/host_memory.py): each side runs as its users' processes do.
+    # malloc settings per side (backends/cpu.py): each side runs as its users' processes do.
     malloc = {"meshformer": RETAINED if cfg.retain_host_memory else GLIBC_SETTLED, "HF": GLIBC_SETTLED}
     if a.hf_host_memory == "retained":
         malloc["HF"] = malloc["meshformer"]

@@ -4,7 +4,7 @@
 Prints, for fp32 and bf16 (bf16 only where the CPU has bf16 matmul units):
   1. the model's matmul shapes (forward, input-gradient, weight-gradient) in GFLOP/s against square matmuls, and
      q/k/v and gate/up as three/two matmuls or one fused (a fused projection pays only if it runs faster); in fp32
-     also on oneDNN, as `cpu_matmul: onednn` runs them (models/cpu_linear.py);
+     also on oneDNN, as `cpu_matmul: onednn` runs them (backends/cpu.py);
   2. attention, forward + backward per layer: SDPA flash, SDPA's math backend, the unfused form (HF "eager":
      `q @ k^T`, fp32 softmax, `@ v`), and compiled: meshformer's causal_attention (the blocked kernel under its
      checkpoint, models/attention.py) against the same function told to run SDPA;
@@ -40,7 +40,7 @@ def matmuls(dt, tokens: int, h: int, ffn: int, vocab: int) -> None:
         a, b = torch.randn(n, n, dtype=dt), torch.randn(n, n, dtype=dt)
         line = f"  square {n}: {2 * n**3 / best_ms(lambda: a @ b, 5) / 1e6:.0f} GFLOP/s"
         if dt == torch.float32 and torch.backends.mkldnn.is_available():
-            from meshformer.models.cpu_linear import onednn_mm
+            from meshformer.backends.cpu import onednn_mm
 
             line += f" (oneDNN {2 * n**3 / best_ms(lambda: onednn_mm(a, b), 5) / 1e6:.0f})"
         print(line)
@@ -52,7 +52,7 @@ def matmuls(dt, tokens: int, h: int, ffn: int, vocab: int) -> None:
             f"{rates[2]:.0f} GFLOP/s"
         )
         if dt == torch.float32 and torch.backends.mkldnn.is_available():  # the same three as cpu_matmul: onednn
-            from meshformer.models.cpu_linear import onednn_mm, weight_grad
+            from meshformer.backends.cpu import onednn_mm, weight_grad
 
             fns = (lambda: onednn_mm(x, w), lambda: onednn_mm(g, w.t()), lambda: weight_grad(g, x))
             rates = [2 * tokens * k * o / best_ms(f) / 1e6 for f in fns]
@@ -136,7 +136,7 @@ def main() -> None:
     p.add_argument("--seq", type=int, default=256)
     p.add_argument("--batch", type=int, default=8)
     a = p.parse_args()
-    from meshformer.train.metrics import cpu_has_bf16
+    from meshformer.backends.cpu import cpu_has_bf16
 
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
     for dt in (torch.float32, torch.bfloat16):

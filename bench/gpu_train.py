@@ -85,6 +85,7 @@ def run_mode(args, mode: str, acc) -> dict:
     from meshformer.config.load import load_config
     from meshformer.parallel import init_parallel
     from meshformer.planner.plan import make_plan
+    from meshformer.train.hooks import StepContext
     from meshformer.train.memory import counter_for
     from meshformer.train.optim import Optimizers
     from meshformer.train.step import build_parts, train_step
@@ -128,7 +129,7 @@ def run_mode(args, mode: str, acc) -> dict:
             n_micro=1,
             ignore_index=-100,
             max_grad_norm=1.0,
-            capture=counter.hooks() if counter is not None else None,
+            hooks=[StepContext(counter.hooks())] if counter is not None else [],
         )
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)

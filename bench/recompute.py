@@ -43,6 +43,7 @@ def main() -> None:
     from meshformer.parallel import init_parallel
     from meshformer.parallel.dims import ParallelDims
     from meshformer.planner.memory import plan_memory
+    from meshformer.train.hooks import StepContext
     from meshformer.train.memory import ActivationCounter
     from meshformer.train.optim import Optimizers
     from meshformer.train.step import build_parts, train_step
@@ -79,7 +80,7 @@ def main() -> None:
                 n_micro=1,
                 ignore_index=-100,
                 max_grad_norm=1.0,
-                capture=counter.hooks() if step == 0 else None,
+                hooks=[StepContext(counter.hooks())] if step == 0 else [],
             )
             if step:
                 times.append(time.perf_counter() - t0)

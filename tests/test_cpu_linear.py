@@ -1,4 +1,4 @@
-"""fp32 linears on oneDNN (models/cpu_linear.py) against torch's own F.linear, and the trainer's build with them."""
+"""fp32 linears on oneDNN (backends/cpu.py) against torch's own F.linear, and the trainer's build with them."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from meshformer.backends import cpu
+from meshformer.backends.cpu import AUTO_MIN_MACS, OneDNNLinear, onednn_linear, onednn_linear_decision
 from meshformer.config import load_config
-from meshformer.models import cpu_linear
-from meshformer.models.cpu_linear import AUTO_MIN_MACS, OneDNNLinear, onednn_linear, onednn_linear_decision
 from meshformer.parallel import init_parallel
 from meshformer.train.optim import Optimizers
 from meshformer.train.step import build_parts, clip_threshold, train_step
@@ -65,7 +65,7 @@ def test_decision(monkeypatch):
         ("GenuineIntel", {"avx2", "avx512f"}, False),
         ("AuthenticAMD", {"avx2"}, False),
     ]:
-        monkeypatch.setattr(cpu_linear, "cpu_vendor_and_flags", lambda v=vendor, f=flags: (v, f))
+        monkeypatch.setattr(cpu, "cpu_vendor_and_flags", lambda v=vendor, f=flags: (v, f))
         on, why = onednn_linear_decision("auto", CPU, fp32)
         assert on is want and why.startswith("cpu_matmul: auto -> " + ("onednn" if want else "blas"))
         assert onednn_linear_decision("auto", CPU, bf16)[0] is False
@@ -186,7 +186,7 @@ def test_saves_what_f_linear_saves(frozen):
 def test_auto_leaves_small_calls_to_f_linear(monkeypatch):
     """auto: calls under AUTO_MIN_MACS multiply-adds take F.linear itself (bit-equal), where oneDNN's fixed cost per
     call outweighs its kernel; larger ones take oneDNN. An explicit `onednn` takes every call."""
-    monkeypatch.setattr(cpu_linear, "cpu_vendor_and_flags", lambda: ("AuthenticAMD", {"avx512f"}))
+    monkeypatch.setattr(cpu, "cpu_vendor_and_flags", lambda: ("AuthenticAMD", {"avx512f"}))
     _, _, built = _build("auto")
     lin = built.parts.parts[0].layers["0"].mlp.up_proj  # 256 -> 688
     assert type(lin) is OneDNNLinear and lin.onednn_min_macs == AUTO_MIN_MACS

@@ -33,10 +33,13 @@ def test_degrees_and_mesh_shape_follow_parallel_config(case):
     dp, tp, pp = o.get(P + "data_parallel", 1), o.get(P + "model_parallel", 1), o.get(P + "pipeline_stage", 1)
     sharded = o.get(P + "optimizer_shard") or o.get("parallel.enable_parallel_optimizer")
     shard = o.get("optimizer.optimizer_parallel") or (dp if sharded else 1)
-    assert d.mesh_shape == (pp, dp // shard, shard, tp)
-    assert (d.world_size, d.dp, d.tp, d.pp, d.dp_shard) == (dp * tp * pp, dp, tp, pp, shard)
+    assert d.mesh_shape == (pp, dp // shard, shard, 1, tp)  # cp: 1 until context parallelism runs
+    assert (d.world_size, d.dp, d.tp, d.pp, d.dp_shard, d.cp, d.ep) == (dp * tp * pp, dp, tp, pp, shard, 1, 1)
     assert d.sharded == (shard > 1)
-    assert d.enabled == {"pp": pp > 1, "dp_replicate": dp // shard > 1, "dp_shard": shard > 1, "tp": tp > 1}
+    assert d.enabled == {
+        "pp": pp > 1, "dp_replicate": dp // shard > 1, "dp_shard": shard > 1, "cp": False, "tp": tp > 1,
+        "ep": False, "etp": False,
+    }  # fmt: skip
     v_schedule = o.get(P + "pipeline_schedule") in ("zbv_zero_bubble", "dualpipev")
     assert d.last_stage_pp_rank == (0 if v_schedule else pp - 1)
 
@@ -90,7 +93,7 @@ def test_eight_rank_layout_by_hand():
     assert d.groups("pp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
     assert d.groups("tp") == [[0, 1], [2, 3], [4, 5], [6, 7]]
     assert d.groups("dp") == [[0, 2], [1, 3], [4, 6], [5, 7]]
-    assert d.coords(6) == {"pp": 1, "dp_replicate": 1, "dp_shard": 0, "tp": 0, "dp": 1}
+    assert d.coords(6) == {"pp": 1, "dp_replicate": 1, "dp_shard": 0, "cp": 0, "tp": 0, "dp": 1}
     assert [r for r in range(8) if d.is_metrics_rank(r)] == [4]
 
 

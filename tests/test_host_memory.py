@@ -1,4 +1,4 @@
-"""train/host_memory.py: a CPU step's freed buffers stay resident (no page faults to get them back), and the
+"""Host memory (backends/cpu.py): a CPU step's freed buffers stay resident (no page faults to get them back), and the
 process does not grow under the allocation pattern that made heap-only allocation unsafe."""
 
 from __future__ import annotations
@@ -9,17 +9,17 @@ import sys
 
 import pytest
 
-from meshformer.train.host_memory import glibc
+from meshformer.backends.cpu import glibc
 
 pytestmark = pytest.mark.skipif(glibc() is None, reason="tunes glibc's malloc only")
 
 # Runs in a fresh process so the settings start from glibc's defaults. Each round is step-like: three 48 MiB
 # buffers (a step's logits and their gradients: above glibc's mmap ceiling) and eight 4 MiB ones, allocated and
-# written, then all freed; then the pattern of host_memory.py's note: a 64 MiB block freed behind a small
+# written, then all freed; then the pattern of backends/cpu.py's host-memory note: a 64 MiB block freed behind a small
 # allocation that stays alive.
 CHURN = r"""
 import json, resource, sys, torch
-from meshformer.train.host_memory import GLIBC_SETTLED, retain_freed_host_memory, set_malloc
+from meshformer.backends.cpu import GLIBC_SETTLED, retain_freed_host_memory, set_malloc
 if sys.argv[1] in ("retain", "settled"):
     assert retain_freed_host_memory()
 if sys.argv[1] == "settled":  # back to an untuned process's behaviour, as bench_vs_hf does for its HF side

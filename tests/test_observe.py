@@ -11,7 +11,8 @@ import pytest
 from conftest import ROOT, tiny_overrides
 from meshformer.cli.main import main
 from meshformer.config import load_config
-from meshformer.train.trainer import Trainer, run_training
+from meshformer.train.data import TrainingData
+from meshformer.train.trainer import run_training
 
 EMPTY = str(ROOT / "tests" / "empty.yaml")
 PHASES = ("time_data_s", "time_fwd_bwd_s", "time_optim_s", "time_other_s")
@@ -35,13 +36,13 @@ def test_the_breakdown_adds_up_and_a_slow_loader_shows_in_the_data_share(tiny_da
         assert r["time_fwd_bwd_s"] > 0 and r["time_optim_s"] > 0
         # measured phases, not a remainder dressed up: the rest is the small bookkeeping between them
         assert r["time_other_s"] < 0.5 * r["step_time_s"], r
-    fetch = Trainer._inputs_labels
+    fetch = TrainingData.train_batch
 
     def slow(self, *args):  # the test hook: a data loader 50 ms slower per step
         time.sleep(0.05)
         return fetch(self, *args)
 
-    monkeypatch.setattr(Trainer, "_inputs_labels", slow)
+    monkeypatch.setattr(TrainingData, "train_batch", slow)
     slowed = train(tiny_dataset, tmp_path / "slow")
     assert all(r["time_data_s"] >= 0.05 for r in slowed)
     assert data_share(slowed) > 0.5 and data_share(slowed) > 3 * data_share(normal), (data_share(normal), slowed)

@@ -108,10 +108,10 @@ def test_a_hundred_sample_overfit_drives_the_loss_to_zero(tmp_path, tok_dir):
         "runner_config.stop_step": 350,
         "optimizer.learning_rate": 3e-3,
         "optimizer.warmup_steps": 10,
-        "lr_schedule.type": "constant",
+        "lr_schedule.type": "cosine",
     }
     run_training(load_config(None, tiny_overrides(data, tmp_path / "run", extra)))
     losses = [json.loads(line)["loss"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    # The median of the last ten steps: a single step's loss wanders by ±0.03 around it here, and the rounding of
-    # any one kernel (the clip coefficient's, say) moves where the last step lands in that band.
+    # The median of the last ten steps, with the learning rate decayed to 0 (cosine): at a constant 3e-3 a step's
+    # loss wandered by ±0.05 to the end and the band's centre moved with the CPU's kernels (0.057 on an AMX Xeon).
     assert losses[0] > 3 and sorted(losses[-10:])[5] < 0.05, (losses[0], losses[-10:])

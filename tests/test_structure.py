@@ -119,8 +119,49 @@ def test_parity_harness_runs_the_trainers_step_not_a_copy():
     text = (ROOT / "tests" / "dist" / "harness.py").read_text(encoding="utf-8")
     assert "no_decay" not in text and "ignore_index=-100" not in text
     trainer = (SRC / "meshformer" / "train" / "trainer.py").read_text(encoding="utf-8")
-    assert "train_step(" in trainer and "evaluate(self.parts" in trainer and "build_parts(" in trainer
-    assert "forward_backward" not in trainer and "cross_entropy" not in trainer
+    evaluation = (SRC / "meshformer" / "train" / "evaluation.py").read_text(encoding="utf-8")
+    assert "train_step(" in trainer and "build_parts(" in trainer
+    from_step = {
+        a.name
+        for n in ast.walk(ast.parse(evaluation))
+        if isinstance(n, ast.ImportFrom) and n.module == "meshformer.train.step"
+        for a in n.names
+    }
+    assert "evaluate" in from_step  # the validation loss is the parity suite's evaluate, not a copy
+    for source in (trainer, evaluation):
+        assert "forward_backward" not in source and "cross_entropy" not in source
+
+
+MAX_TRAIN_FUNCTION_LINES = 80
+
+
+def long_functions(source: str, limit: int) -> list[tuple[str, int]]:
+    """(name, lines) of each function in `source` longer than `limit` lines, from its `def` to its last line."""
+    return [
+        (n.name, n.end_lineno - n.lineno + 1)
+        for n in ast.walk(ast.parse(source))
+        if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.end_lineno - n.lineno + 1 > limit
+    ]
+
+
+def test_train_functions_read_as_outlines():
+    """No function in train/ over 80 lines: the loop and the step stay an outline of named pieces."""
+    files = sorted((SRC / "meshformer" / "train").rglob("*.py"))
+    assert any(p.name == "trainer.py" for p in files)
+    offenders = [
+        f"{p.relative_to(SRC)}: {name} has {lines} lines"
+        for p in files
+        for name, lines in long_functions(p.read_text(encoding="utf-8"), MAX_TRAIN_FUNCTION_LINES)
+    ]
+    assert not offenders, "\n".join(offenders)
+
+
+def test_function_length_counts_from_def_to_the_last_line():
+    body = "\n".join(f"    x{i} = {i}" for i in range(80))
+    assert long_functions(f"def short():\n{body[: body.rindex(chr(10))]}\n", 80) == []  # 80 lines with its def
+    assert long_functions(f"def long():\n{body}\n", 80) == [("long", 81)]
+    nested = f"class A:\n    def method(self):\n    {body.replace(chr(10), chr(10) + '    ')}\n"
+    assert long_functions(nested, 80) == [("method", 81)]
 
 
 def test_importing_meshformer_installs_no_warning_filters():
@@ -192,3 +233,107 @@ def test_unknown_style_is_an_error():
     with pytest.raises(ValueError, match="unknown tensor-parallel style 'colwize'"):
         make_style("colwize", seq_parallel=False)
     assert make_style("gather_sequence", seq_parallel=False) is None
+
+
+# ---------------------------------------------------------------- private torch APIs: backends/torch_private.py only
+
+TORCH_PRIVATE = SRC / "meshformer" / "backends" / "torch_private.py"
+
+
+def _dotted(node: ast.AST) -> str | None:
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    return ".".join([node.id, *reversed(parts)]) if isinstance(node, ast.Name) else None
+
+
+def _private_torch_name(name: str) -> bool:
+    """A torch name with a segment under a single leading underscore: torch._x, torch.ops._x, torch.ops.aten._x,
+    torch.utils._x, torch.testing._internal, ... (dunders such as torch.__version__ are public)."""
+    root, *rest = name.split(".")
+    return root == "torch" and any(b.startswith("_") and not (b.startswith("__") and b.endswith("__")) for b in rest)
+
+
+def private_torch_uses(source: str, in_backends: bool = False) -> list[tuple[int, str]]:
+    """(line, what) for each private torch API `source` names (imports, attribute chains, also through an alias such
+    as `aten = torch.ops.aten`, getattr/hasattr with an underscored name), each DeviceMesh-style `._flatten`, and
+    each `x.__class__ = ...` outside backends/ (the class swap is CPU tuning, backends/cpu.py)."""
+    tree = ast.parse(source)
+    alias: dict[str, str] = {}
+
+    def resolve(dotted: str) -> str:
+        root, _, rest = dotted.partition(".")
+        return alias.get(root, root) + (f".{rest}" if rest else "")
+
+    hits: set[tuple[int, str]] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                alias[a.asname or a.name.partition(".")[0]] = a.name if a.asname else a.name.partition(".")[0]
+                if _private_torch_name(a.name):
+                    hits.add((node.lineno, a.name))
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            for a in node.names:
+                alias[a.asname or a.name] = full = f"{node.module}.{a.name}"
+                if _private_torch_name(full):
+                    hits.add((node.lineno, full))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+            if (value := _dotted(node.value)) is not None:
+                alias[node.targets[0].id] = resolve(value)
+    inner = {id(n.value) for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute):
+            if node.attr == "_flatten":
+                hits.add((node.lineno, "._flatten"))
+            if id(node) not in inner and (dotted := _dotted(node)) and _private_torch_name(full := resolve(dotted)):
+                hits.add((node.lineno, full))
+        elif isinstance(node, ast.Call) and getattr(node.func, "id", None) in ("getattr", "hasattr", "setattr"):
+            obj, name = (node.args + [None, None])[:2]
+            target = _dotted(obj) if obj is not None else None
+            if target and isinstance(name, ast.Constant) and isinstance(name.value, str):
+                if _private_torch_name(full := f"{resolve(target)}.{name.value}"):
+                    hits.add((node.lineno, full))
+        elif isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)) and not in_backends:
+            for t in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                if isinstance(t, ast.Attribute) and t.attr == "__class__":
+                    hits.add((node.lineno, "__class__ = (a class swap: backends/)"))
+    return sorted(hits)
+
+
+def test_private_torch_apis_only_in_torch_private():
+    """A private torch name can change in any release: calling it only through backends/torch_private.py (each
+    wrapped once, with the release it was checked on) keeps an upgrade's breakage in one file."""
+    offenders = [
+        f"{rel}:{line}: {what}"
+        for rel in sorted(p.relative_to(SRC) for p in (SRC / "meshformer").rglob("*.py"))
+        if SRC / rel != TORCH_PRIVATE
+        for line, what in private_torch_uses((SRC / rel).read_text(encoding="utf-8"), "backends" in rel.parts)
+    ]
+    assert not offenders, "private torch APIs outside backends/torch_private.py:\n" + "\n".join(offenders)
+
+
+def test_private_api_scan_finds_planted_uses():
+    code = "\n".join(
+        [
+            "import torch",  # 1: public
+            "from torch._subclasses.fake_tensor import FakeTensorMode",  # 2
+            "from torch.distributed import _composable",  # 3
+            "from torch.testing._internal.distributed.fake_pg import FakeStore",  # 4
+            "import torch.utils._pytree as pytree",  # 5
+            "aten = torch.ops.aten",  # 6: public
+            "ops = {aten.mm, aten._scaled_dot_product_flash_attention}",  # 7: through the alias
+            "torch._foreach_mul_([], 2.0)",  # 8
+            "x = torch.ops._c10d_functional.all_reduce",  # 9
+            "ok = hasattr(torch.ops, '_c10d_functional')",  # 10
+            "mesh['dp']._flatten('dp_flat')",  # 11
+            "m.__class__ = type(m)",  # 12
+            "y = torch.__version__, torch.nn.functional.linear, torch.ops.mkldnn.linear",  # 13: public
+            "z = torch.ops.mkldnn._linear_pointwise",  # 14
+        ]
+    )
+    assert {line for line, _ in private_torch_uses(code)} == {2, 3, 4, 5, 7, 8, 9, 10, 11, 12, 14}
+    assert private_torch_uses("m.__class__ = type(m)", in_backends=True) == []  # backends/cpu.py's swap
+    # The wrappers' own file holds what the scan flags anywhere else.
+    assert len(private_torch_uses(TORCH_PRIVATE.read_text(encoding="utf-8"))) >= 8

@@ -37,7 +37,7 @@ MODEL = {
     "optimizer.learning_rate": 1e-3, "lr_schedule.type": "constant",
     "optimizer.weight_decay": 0.1, "runner_wrapper.max_grad_norm": 1.0,
     # fp32 linears on oneDNN on every CPU (auto picks it only on some): each layout proves it against the single
-    # process; tensor parallelism's DTensor weights and the zero-bubble schedules take BLAS (models/cpu_linear.py).
+    # process; tensor parallelism's DTensor weights and the zero-bubble schedules take BLAS (backends/cpu.py).
     "cpu_matmul": "onednn",
 }
 
@@ -193,7 +193,7 @@ def run(cfg, env, n_micro: int, transforms=None, packed: bool = False) -> tuple[
         schedule.apply(step)
         r = train_step(built.parts, opt, env, inputs[step, rows].to(env.device), labels[step, rows].to(env.device),
                        n_micro=n_micro, ignore_index=ignore, max_grad_norm=clip_threshold(cfg), documents=docs(step),
-                       capture=meter.capture(), after_update=meter.after_update, loss_scale=scaler.scale)
+                       hooks=[meter], step=step + 1, loss_scale=scaler.scale)
         scaler.update(not r.skipped)
         out.append((r.loss, r.grad_norm))
         if step < 2:  # the second step's measurement (train/memory.py: MEASURED_STEPS)

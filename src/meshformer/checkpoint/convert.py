@@ -102,10 +102,10 @@ def source_to_model(source: SourceModel) -> tuple[MeshformerConfig, dict[str, to
     fields = model_config_from_hf(source.config, where)
     cfg.model.model_config = from_dict(ModelConfig, fields, ("model", "model_config"), notices)
     mc = cfg.model.model_config
-    from meshformer.models import build_model
+    from meshformer.models import build_model, family_of
 
     expected = {k: tuple(v.shape) for k, v in build_model(mc).state_dict().items()}  # meta tensors: no memory
-    tensors = to_meshformer_names(source.tensors, mc.tie_word_embeddings)
+    tensors = to_meshformer_names(source.tensors, mc.tie_word_embeddings, family_of(mc))
     problems = shape_problems({k: tuple(v.shape) for k, v in tensors.items()}, expected)
     if problems:
         raise UserError(
@@ -203,6 +203,7 @@ def export_model(
     `base` (default: the base the checkpoint records) as its base_model_name_or_path; with neither it is null.
     Returns (output, checkpoint, "model" | "adapter" | "gguf")."""
     from meshformer.checkpoint.inference import load_for_inference
+    from meshformer.models import family_of
     from meshformer.models.lora import lora_wanted, merged_state_dict, peft_adapter
 
     ckpt = resolve_checkpoint(checkpoint)
@@ -221,7 +222,8 @@ def export_model(
             write_hf_dir(tmp, hf_cfg, {}, tok_json, tok_cfg, shard_bytes=shard_bytes, weights=False)
         else:
             state = merged_state_dict(model) if lora_wanted(cfg) else model.state_dict()
-            tensors = {k: v.to(DTYPE[dtype]) for k, v in to_hf_names(state).items()}
+            family = family_of(cfg.model.model_config)
+            tensors = {k: v.to(DTYPE[dtype]) for k, v in to_hf_names(state, family).items()}
             write_hf_dir(tmp, hf_cfg, tensors, tok_json, tok_cfg, shard_bytes=shard_bytes)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -245,6 +247,7 @@ def _hf_side(ckpt: Path, model, cfg, tokenizer, dtype: str) -> tuple[dict, str, 
 def _export_gguf(ckpt: Path, out: Path, dtype: str, gguf_type: str) -> Path:
     from meshformer.checkpoint.gguf_write import write_gguf
     from meshformer.checkpoint.inference import load_for_inference
+    from meshformer.models import family_of
     from meshformer.models.lora import lora_wanted, merged_state_dict
 
     if out.suffix != ".gguf" or out.exists():
@@ -253,4 +256,5 @@ def _export_gguf(ckpt: Path, out: Path, dtype: str, gguf_type: str) -> Path:
     hf_cfg, tok_json, tok_cfg = _hf_side(ckpt, model, cfg, tokenizer, dtype)
     state = merged_state_dict(model) if lora_wanted(cfg) else model.state_dict()
     out.parent.mkdir(parents=True, exist_ok=True)
-    return write_gguf(out, hf_cfg, to_hf_names(state), tok_json, tok_cfg, qtype=gguf_type)
+    family = family_of(cfg.model.model_config)
+    return write_gguf(out, hf_cfg, to_hf_names(state, family), tok_json, tok_cfg, qtype=gguf_type)

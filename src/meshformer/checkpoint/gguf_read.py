@@ -7,10 +7,12 @@ A GGUF holds the same model as a Hugging Face checkpoint, but written the way ll
 - Most weights are block-quantized (Q8_0, Q4_0, Q4_1, K-quants, ...). We dequantize to float32 with the
   `gguf` package's own reference code (`gguf.quants.dequantize`), so the values are exactly what llama.cpp's
   Python tooling reads; a type it cannot decode is reported rather than guessed.
-- For the `llama` architecture llama.cpp's converter permutes the rows of q_proj and k_proj so that the rotary
+- Tensor names are llama.cpp's; the model family that owns the GGUF architecture (models/registry.py; the Llama
+  family's tables are models/llama/gguf.py) says what each is in Hugging Face terms.
+- For some architectures (`llama`) llama.cpp's converter permutes the rows of q_proj and k_proj so that the rotary
   embedding rotates adjacent pairs (GPT-J style) instead of the two halves of each head (GPT-NeoX style, what
-  `transformers` uses). We undo that permutation. Qwen2/Qwen3 files are written unpermuted (llama.cpp runs
-  them with NeoX rotary), so they are left alone.
+  `transformers` uses); the family's table says so, and we undo that permutation. Qwen2/Qwen3 files are written
+  unpermuted (llama.cpp runs them with NeoX rotary), so they are left alone.
 - Llama 3 long-context rope scaling is stored as a tensor of per-frequency factors (`rope_freqs.weight`)
   rather than as config values; we turn it back into a `rope_scaling` dict and check that it reproduces them.
 - There is no config.json or tokenizer.json: both are rebuilt from metadata. The tokenizer is built the way
@@ -30,41 +32,6 @@ import torch
 from meshformer.checkpoint.source import SourceModel
 from meshformer.errors import UserError
 
-# GGUF architecture -> (Hugging Face class, model_type)
-_ARCHITECTURES = {
-    "llama": ("LlamaForCausalLM", "llama"),
-    "qwen2": ("Qwen2ForCausalLM", "qwen2"),
-    "qwen3": ("Qwen3ForCausalLM", "qwen3"),
-}
-
-_GLOBAL_NAMES = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-
-# The part of a `blk.N.` name after the layer number, per architecture; anything else is refused.
-_LAYER_PARTS = {
-    "attn_q.weight": "self_attn.q_proj.weight",
-    "attn_k.weight": "self_attn.k_proj.weight",
-    "attn_v.weight": "self_attn.v_proj.weight",
-    "attn_output.weight": "self_attn.o_proj.weight",
-    "ffn_gate.weight": "mlp.gate_proj.weight",
-    "ffn_up.weight": "mlp.up_proj.weight",
-    "ffn_down.weight": "mlp.down_proj.weight",
-    "attn_norm.weight": "input_layernorm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-}
-_EXTRA_LAYER_PARTS = {
-    "llama": {},
-    "qwen2": {
-        "attn_q.bias": "self_attn.q_proj.bias",
-        "attn_k.bias": "self_attn.k_proj.bias",
-        "attn_v.bias": "self_attn.v_proj.bias",
-    },
-    "qwen3": {"attn_q_norm.weight": "self_attn.q_norm.weight", "attn_k_norm.weight": "self_attn.k_norm.weight"},
-}
-
 # The split regexes `transformers` puts in front of byte-level BPE for these `tokenizer.ggml.pre` values
 # (transformers/integrations/gguf/gguf_tokenizer_mapping.py); any other value keeps GPT-2's built-in regex.
 _LLAMA3_SPLIT = (
@@ -83,7 +50,8 @@ _CONTROL, _USER_DEFINED = 3, 4  # llama.cpp's token_type values
 
 
 def read_gguf(path: str | Path) -> SourceModel:
-    """Read a GGUF file (architectures llama, qwen2, qwen3; byte-level BPE tokenizer) as a Hugging Face model."""
+    """Read a GGUF file (a registered family's architecture: llama, qwen2, qwen3 built in; byte-level BPE tokenizer)
+    as a Hugging Face model."""
     try:
         import gguf
     except ImportError:
@@ -95,14 +63,18 @@ def read_gguf(path: str | Path) -> SourceModel:
         raise UserError(f"{path}: cannot read as GGUF: {reason}") from None
     meta = {name: field.contents() for name, field in reader.fields.items()}
 
-    arch = meta.get("general.architecture")
-    if arch not in _ARCHITECTURES:
-        supported = ", ".join(_ARCHITECTURES)
-        raise UserError(f"{path}: GGUF architecture {arch!r} is not supported ({supported} are)")
+    from meshformer.models.registry import family_for_gguf, gguf_architectures
 
-    config = _config(meta, arch, {t.name for t in reader.tensors}, path)
+    arch = meta.get("general.architecture")
+    found = family_for_gguf(arch) if isinstance(arch, str) else None
+    if found is None:
+        supported = ", ".join(gguf_architectures())
+        raise UserError(f"{path}: GGUF architecture {arch!r} is not supported ({supported} are)")
+    names = found[1]
+
+    config = _config(meta, arch, names, {t.name for t in reader.tensors}, path)
     # Map every name before dequantizing anything, so a file we cannot convert fails in a second, not a minute.
-    hf_names = {t.name: _hf_name(t.name, arch, path) for t in reader.tensors if t.name != "rope_freqs.weight"}
+    hf_names = {t.name: _hf_name(t.name, arch, names, path) for t in reader.tensors if t.name != "rope_freqs.weight"}
     tensors: dict[str, torch.Tensor] = {}
     for t in reader.tensors:
         values = _dequantize(gguf, t, path)
@@ -111,7 +83,7 @@ def read_gguf(path: str | Path) -> SourceModel:
             config["rope_scaling"] = _llama3_rope_scaling(meta, arch, config, values, path)
             continue
         name = hf_names[t.name]
-        if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+        if names.permute_rotary and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = config["num_attention_heads" if "q_proj" in name else "num_key_value_heads"]
             if values.shape[0] % (2 * heads):
                 raise UserError(f"{path}: {t.name} has {values.shape[0]} rows, not a multiple of 2 x {heads} heads")
@@ -134,14 +106,13 @@ def _dequantize(gguf, tensor, path) -> torch.Tensor:
     return torch.from_numpy(np.array(values, dtype=np.float32)).reshape(shape)
 
 
-def _hf_name(name: str, arch: str, path) -> str:
-    if name in _GLOBAL_NAMES:
-        return _GLOBAL_NAMES[name]
+def _hf_name(name: str, arch: str, names, path) -> str:
+    if name in names.global_names:
+        return names.global_names[name]
     prefix, _, rest = name.partition(".")
     layer, _, part = rest.partition(".")
-    parts = {**_LAYER_PARTS, **_EXTRA_LAYER_PARTS[arch]}
-    if prefix == "blk" and layer.isdigit() and part in parts:
-        return f"model.layers.{int(layer)}.{parts[part]}"
+    if prefix == "blk" and layer.isdigit() and part in names.layer_parts:
+        return f"model.layers.{int(layer)}.{names.layer_parts[part]}"
     raise UserError(f"{path}: GGUF tensor {name!r} has no Hugging Face equivalent for architecture {arch!r}")
 
 
@@ -155,7 +126,7 @@ def _unpermute_rotary(w: torch.Tensor, n_head: int) -> torch.Tensor:
     return w.reshape(n_head, half, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape).contiguous()
 
 
-def _config(meta: dict, arch: str, tensor_names: set[str], path) -> dict:
+def _config(meta: dict, arch: str, names, tensor_names: set[str], path) -> dict:
     missing = object()
 
     def key(name, default=missing):
@@ -166,7 +137,7 @@ def _config(meta: dict, arch: str, tensor_names: set[str], path) -> dict:
             raise UserError(f"{path}: GGUF metadata '{arch}.{name}' varies per layer, which is not supported")
         return value
 
-    hf_class, model_type = _ARCHITECTURES[arch]
+    hf_class, model_type = names.hf_class, names.model_type
     hidden, heads = int(key("embedding_length")), int(key("attention.head_count"))
     tokens = meta.get("tokenizer.ggml.tokens") or []
     scaling_type = key("rope.scaling.type", "none")
@@ -197,7 +168,7 @@ def _config(meta: dict, arch: str, tensor_names: set[str], path) -> dict:
         "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
         "pad_token_id": meta.get("tokenizer.ggml.padding_token_id"),
         "rope_scaling": rope_scaling,
-        "attention_bias": arch == "qwen2",
+        "attention_bias": "attn_q.bias" in names.layer_parts,  # q/k/v biases (Qwen2)
     }
 
 

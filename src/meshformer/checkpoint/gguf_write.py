@@ -2,10 +2,11 @@
 
 What changes on the way, as llama.cpp's own `convert_hf_to_gguf.py` does it:
 
-- Names become llama.cpp's (`blk.0.attn_q.weight`, `token_embd.weight`, ...), the inverse of gguf_read's table.
-- For the `llama` architecture q_proj/k_proj rows are permuted so llama.cpp's GPT-J style rotary (adjacent pairs)
-  computes what transformers' NeoX style (two halves per head) does. Qwen2/Qwen3 run NeoX rotary in llama.cpp,
-  so their rows stay as they are.
+- Names become llama.cpp's (`blk.0.attn_q.weight`, `token_embd.weight`, ...), the inverse of the model family's
+  GGUF table (models/registry.py; models/llama/gguf.py).
+- For the `llama` architecture (the family's table says which) q_proj/k_proj rows are permuted so llama.cpp's
+  GPT-J style rotary (adjacent pairs) computes what transformers' NeoX style (two halves per head) does.
+  Qwen2/Qwen3 run NeoX rotary in llama.cpp, so their rows stay as they are.
 - Llama 3 rope scaling becomes a `rope_freqs.weight` tensor of per-frequency factors; llama.cpp has no config
   value for it.
 - Weights are stored as F32, F16, BF16 or Q8_0. 1-D tensors (norms, biases) stay F32, as llama.cpp keeps them:
@@ -34,18 +35,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from meshformer.checkpoint.gguf_read import (
-    _ARCHITECTURES,
-    _EXTRA_LAYER_PARTS,
-    _GLOBAL_NAMES,
-    _LAYER_PARTS,
-    _LLAMA3_SPLIT,
-    _QWEN2_SPLIT,
-)
+from meshformer.checkpoint.gguf_read import _LLAMA3_SPLIT, _QWEN2_SPLIT
 from meshformer.errors import UserError
 
-# Hugging Face class -> GGUF architecture
-_ARCH_OF_CLASS = {hf_class: arch for arch, (hf_class, _) in _ARCHITECTURES.items()}
 # qtype -> llama.cpp's file type (general.file_type), by name since gguf is imported lazily
 _FILE_TYPES = {"F32": "ALL_F32", "F16": "MOSTLY_F16", "BF16": "MOSTLY_BF16", "Q8_0": "MOSTLY_Q8_0"}
 _NORMAL, _CONTROL, _USER_DEFINED, _UNUSED = 1, 3, 4, 5  # llama.cpp's token_type values
@@ -69,11 +61,12 @@ def write_gguf(
     qtype = qtype.upper()
     if qtype not in _FILE_TYPES:
         raise UserError(f"GGUF type {qtype!r} is not supported (choose one of {', '.join(_FILE_TYPES)})")
-    arch = _arch(config)
+    arch, table = _arch(config)
     hp = _hyperparameters(config, arch)
+    hp["permute_rotary"] = table.permute_rotary
     # Everything that can be refused is checked before the file is opened.
     vocab = _vocabulary(tokenizer_json, tokenizer_config, config, hp["vocab_size"])
-    names = _gguf_names(config, tensors, arch, hp)
+    names = _gguf_names(config, tensors, arch, table, hp)
 
     tmp = path.with_name(path.name + ".tmp")
     try:
@@ -116,12 +109,18 @@ def write_gguf(
     return path
 
 
-def _arch(config: dict) -> str:
+def _arch(config: dict):
+    """(GGUF architecture, its family's name table) of a config.json's architecture class."""
+    from meshformer.models.registry import families, family_for_hf_class
+
     for hf_class in config.get("architectures") or []:
-        if hf_class in _ARCH_OF_CLASS:
-            return _ARCH_OF_CLASS[hf_class]
+        found = family_for_hf_class(hf_class)
+        if found is not None:
+            family, arch = found
+            return arch, family.gguf_names[arch]
     named = (config.get("architectures") or ["none given"])[0]
-    raise UserError(f"GGUF export: architecture {named!r} is not supported ({', '.join(_ARCH_OF_CLASS)} are)")
+    known = [t.hf_class for f in families() for t in f.gguf_names.values()]
+    raise UserError(f"GGUF export: architecture {named!r} is not supported ({', '.join(known)} are)")
 
 
 def _hyperparameters(config: dict, arch: str) -> dict:
@@ -152,10 +151,10 @@ def _hyperparameters(config: dict, arch: str) -> dict:
     }
 
 
-def _gguf_names(config: dict, tensors: dict[str, torch.Tensor], arch: str, hp: dict) -> dict[str, str]:
+def _gguf_names(config: dict, tensors: dict[str, torch.Tensor], arch: str, table, hp: dict) -> dict[str, str]:
     """llama.cpp name -> Hugging Face name of every tensor to write; refuses what llama.cpp could not load."""
-    global_names = {hf: name for name, hf in _GLOBAL_NAMES.items()}
-    layer_parts = {hf: part for part, hf in {**_LAYER_PARTS, **_EXTRA_LAYER_PARTS[arch]}.items()}
+    global_names = {hf: name for name, hf in table.global_names.items()}
+    layer_parts = {hf: part for part, hf in table.layer_parts.items()}
     tied = bool(config.get("tie_word_embeddings", False))
     if not tied and "lm_head.weight" not in tensors:
         raise UserError("GGUF export: tie_word_embeddings is false but there is no lm_head.weight")
@@ -182,8 +181,9 @@ def _gguf_names(config: dict, tensors: dict[str, torch.Tensor], arch: str, hp: d
 
 
 def _rotary_heads(name: str, arch: str, hp: dict) -> int | None:
-    """The head count to permute a llama q/k matrix by; None for every other tensor."""
-    if arch != "llama" or not name.endswith(("attn_q.weight", "attn_k.weight")):
+    """The head count to permute a q/k matrix by (architectures whose table permutes rotary rows: llama); None for
+    every other tensor."""
+    if not hp["permute_rotary"] or not name.endswith(("attn_q.weight", "attn_k.weight")):
         return None
     return hp["heads"] if name.endswith("attn_q.weight") else hp["kv_heads"]
 

@@ -4,8 +4,8 @@ Reading accepts `model.safetensors`, sharded `model-*.safetensors` with `model.s
 `pytorch_model*.bin` read with `torch.load(weights_only=True)` (tensors only: never unpickles code; a file it
 refuses is one line saying to convert it to safetensors). Every file an index names must be inside the directory
 (no `../`, no absolute path, no symlink out but a hub cache snapshot's into its own `blobs/`). Names are
-translated to meshformer's by dropping the `model.` prefix; a tied `lm_head.weight` is dropped; old checkpoints'
-`rotary_emb.inv_freq` buffers are skipped (meshformer computes them).
+translated by the model family's adapter (models/registry.py: by default dropping the `model.` prefix and skipping
+old checkpoints' `rotary_emb.inv_freq` buffers, which meshformer computes); a tied `lm_head.weight` is dropped.
 
 Writing produces what `transformers.AutoModelForCausalLM.from_pretrained` and `AutoTokenizer.from_pretrained`
 load with no missing or unexpected keys: safetensors shards of at most `shard_bytes` (an index when more than
@@ -139,21 +139,28 @@ def read_hf_dir(path: str | Path) -> SourceModel:
     return SourceModel(config, tensors, tok, tok_cfg, origin=str(d))
 
 
-def to_meshformer_names(tensors: dict[str, torch.Tensor], tied: bool) -> dict[str, torch.Tensor]:
+def to_meshformer_names(tensors: dict[str, torch.Tensor], tied: bool, family=None) -> dict[str, torch.Tensor]:
+    """Hugging Face names -> ours through the family's adapter (None: a `*ForCausalLM` with a `model.` body); a tied
+    model has no head of its own, so a `lm_head.weight` that only repeats the embedding is dropped."""
+    from meshformer.models.registry import HF_HEAD, hf_unprefixed
+
+    rename = family.from_hf if family is not None else hf_unprefixed
     out = {}
     for name, t in tensors.items():
-        if name.endswith("rotary_emb.inv_freq"):
+        if name == HF_HEAD and tied:
             continue
-        if name == "lm_head.weight":
-            if not tied:
-                out[name] = t
-            continue
-        out[name.removeprefix("model.")] = t
+        ours = rename(name)
+        if ours is not None:
+            out[ours] = t
     return out
 
 
-def to_hf_names(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    return {(k if k == "lm_head.weight" else f"model.{k}"): v for k, v in state_dict.items()}
+def to_hf_names(state_dict: dict[str, torch.Tensor], family=None) -> dict[str, torch.Tensor]:
+    """Our names -> Hugging Face's through the family's adapter (None: a `*ForCausalLM` with a `model.` body)."""
+    from meshformer.models.registry import hf_prefixed
+
+    rename = family.to_hf if family is not None else hf_prefixed
+    return {rename(k): v for k, v in state_dict.items()}
 
 
 def write_hf_dir(

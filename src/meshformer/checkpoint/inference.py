@@ -13,11 +13,11 @@ from meshformer.errors import UserError
 
 def load_for_inference(path: str | Path, device: str | torch.device = "cpu"):
     """-> (model in eval mode, MeshformerConfig, tokenizers.Tokenizer). `path`: a checkpoint or a run's output_dir."""
+    from meshformer.backends.cpu import apply_cpu_matmul
     from meshformer.config.load import load_config
     from meshformer.data.tokenizer import load_tokenizer
     from meshformer.dtypes import DTYPE
     from meshformer.models import build_model, materialize
-    from meshformer.models.cpu_linear import apply_cpu_matmul
     from meshformer.models.transforms import apply_model_transforms
 
     notes: list[str] = []

@@ -90,6 +90,9 @@ def is_override(arg: str) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    # The model registry fills the schema's choices of model_config.type (config/schema.py RegisteredNames), so a
+    # typo there is refused when the config loads, before anything else runs.
+    importlib.import_module("meshformer.models")
     parser = build_parser()
     try:
         # Dotted overrides (--section.field VALUE) run to the end of the line; argparse sees the rest.

@@ -115,7 +115,7 @@ def print_plan(plan) -> None:
             g("params_bytes"),
             g("grads_bytes"),
             g("optimizer_bytes"),
-            f"{s['activations_bytes'] / GIB:.2f} ({s['in_flight']} mb)",
+            f"{s['activations_bytes'] / GIB:.2f} ({s['in_flight']} mb{', counted' * s['activations_counted']})",
             g("logits_bytes"),
             g("allocated_bytes"),
             g("reserved_bytes"),

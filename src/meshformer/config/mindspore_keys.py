@@ -7,11 +7,11 @@ from __future__ import annotations
 from typing import Any
 
 # MindSpore-only keys users carry over from real configs: accepted and ignored, with one notice each.
-# MindSpore data-pipeline knobs (workers, prefetch, columns) that both dataset sections may carry.
+# MindSpore data-pipeline knobs (columns, process workers, NUMA) that both dataset sections may carry; workers and
+# prefetch are schema fields (num_parallel_workers, prefetch_size: meshformer's threads).
 _DATASET_IGNORED = frozenset(
     """
-    construct_args_key input_columns num_parallel_workers numa_enable output_columns prefetch_size
-    python_multiprocessing repeat seed
+    construct_args_key input_columns numa_enable output_columns python_multiprocessing repeat seed
     """.split()
 )
 IGNORED_KEYS = {
@@ -19,13 +19,23 @@ IGNORED_KEYS = {
         """
         auto_trans_ckpt auto_tune autotune_per_step context eval_callbacks eval_dataset_task filepath_prefix
         init_start_profile layer_scale load_ckpt_format lr_scale_factor metric moe_config only_save_strategy
-        pretrained_model_dir processor profile_communication remote_save_url src_strategy_path_or_dir
+        pretrained_model_dir profile_communication remote_save_url src_strategy_path_or_dir
         train_dataset_task trainer use_legacy
         """.split()
     ),
     ("parallel",): frozenset({"strategy_ckpt_config", "dataset_strategy"}),
     ("train_dataset",): _DATASET_IGNORED,
     ("eval_dataset",): _DATASET_IGNORED,
+    # The processor's classes and the tokenizer's arguments: meshformer reads the tokenizer.json itself, special
+    # tokens and chat template included.
+    ("processor",): frozenset({"type", "return_tensors", "max_length"}),
+    ("processor", "tokenizer"): frozenset(
+        """
+        type auto_register merges_file unk_token bos_token eos_token pad_token add_bos_token add_eos_token
+        chat_template model_max_length padding_side sp_model_kwargs clean_up_tokenization_spaces legacy errors
+        split_special_tokens
+        """.split()
+    ),
     ("model", "model_config"): frozenset(
         """
         batch_size block_size checkpoint_name_or_path do_sample emb_dropout_prob extend_method

@@ -63,12 +63,43 @@ class PetConfig:
     freeze_exclude: list = setting([], "...except those matching these globs (they stay trainable).")
 
 
+class RegisteredNames:
+    """Choices that a registry outside config/ fills as it registers names (models/registry.py adds each model
+    family's config types): the models import this schema, so the schema may not import them. While nothing is
+    registered (meshformer.models not imported yet) the loader has no list to check against and the registry's own
+    lookup (`family_of`) refuses an unknown name instead, in the same words; the CLI imports the models first."""
+
+    def __init__(self) -> None:
+        self._names: list[str] = []
+
+    def add(self, names) -> None:
+        self._names.extend(n for n in names if n not in self._names)
+
+    def discard(self, names) -> None:
+        self._names = [n for n in self._names if n not in names]
+
+    def __iter__(self):
+        return iter(list(self._names))
+
+    def __contains__(self, value) -> bool:
+        return value in self._names
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+    def __repr__(self) -> str:
+        return repr(tuple(self._names))
+
+
+MODEL_TYPES = RegisteredNames()  # model_config.type's choices (models/registry.py register_family)
+
+
 @dataclass
 class ModelConfig:
     type: str = setting(
         "LlamaConfig",
         "Architecture family: LlamaConfig, Qwen2Config (q/k/v bias on by default) or Qwen3Config (q/k norm on).",
-        choices=("LlamaConfig", "Qwen2Config", "Qwen3Config"),
+        choices=MODEL_TYPES,
     )
     seq_length: int = setting(2048, "Tokens per training sample (the context length trained on).", gt=0)
     hidden_size: int = setting(4096, "Model width (embedding dimension).", gt=0)
@@ -165,14 +196,43 @@ class ModelSection:
     arch: ModelArchConfig = setting(ModelArchConfig, "Model head class.")
 
 
+class RegisteredDatasetFormats:
+    """`data_loader.type`'s choices: the dataset formats registered when the value is checked (data/registry.py; a
+    format registered at run time is accepted). Imported when first checked: the data modules import no config,
+    so this is a dependency one way, not a cycle."""
+
+    def _names(self) -> list[str]:
+        from meshformer.data.registry import dataset_formats
+
+        return dataset_formats()
+
+    def __iter__(self):
+        return iter(self._names())
+
+    def __contains__(self, value) -> bool:
+        return value in self._names()
+
+    def __len__(self) -> int:
+        return len(self._names())
+
+    def __repr__(self) -> str:
+        return repr(tuple(self._names()))
+
+
 @dataclass
 class DataLoaderConfig:
     type: str = setting(
         "MindDataset",
-        "Dataset format: MindDataset means a `meshformer preprocess` directory.",
-        choices=("MindDataset",),
+        "Dataset format: MindDataset (a `meshformer preprocess` directory) or any name registered with "
+        "data/registry.py register_dataset_format.",
+        choices=RegisteredDatasetFormats(),
     )
     dataset_dir: str = setting("", "Directory written by `meshformer preprocess`.")
+    tokenizer: str = setting(
+        "",
+        "The data's tokenizer.json, or a folder holding it (default: processor.tokenizer, else the dataset's "
+        "own); saved with every checkpoint. eval_dataset's, if set, must be the same.",
+    )
     shuffle: bool = setting(True, "Shuffle sample order each epoch (the order is derived from seed, so resumable).")
     packing: bool = setting(
         False,
@@ -200,6 +260,39 @@ class DatasetConfig:
         "Split of the dataset directory to read (default: train for train_dataset, validation for eval_dataset).",
         choices=("train", "validation"),
     )
+    num_parallel_workers: int = setting(
+        1,
+        "Threads building the next prefetch_size batches in the background (batches are a pure function of "
+        "the step: samples and order do not change).",
+        gt=0,
+    )
+    prefetch_size: int = setting(
+        1,
+        "Batches built ahead of their step (0: on the main thread when the step starts); on a GPU they wait "
+        "in pinned memory and copy without blocking.",
+        ge=0,
+    )
+
+
+@dataclass
+class TokenizerConfig:
+    tokenizer_file: str = setting(
+        "", "Hugging Face tokenizer.json the data was made with (a folder holding one also works)."
+    )
+    vocab_file: str = setting(
+        "",
+        "MindSpore's name for it, read like tokenizer_file: a tokenizer.json or its folder (convert a "
+        "SentencePiece .model or vocab.json + merges.txt first).",
+    )
+
+
+@dataclass
+class ProcessorConfig:
+    tokenizer: TokenizerConfig = setting(
+        TokenizerConfig,
+        "The training data's tokenizer when train_dataset.data_loader.tokenizer is not set (special tokens "
+        "come from the file itself).",
+    )
 
 
 @dataclass
@@ -210,8 +303,8 @@ class ParallelConfig:
     micro_batch_num: int = setting(
         1, "Micro-batches per step under pipeline parallelism (4-8x pipeline_stage is typical).", gt=0
     )
-    context_parallel: int = setting(1, "Context-parallel degree (reserved: only 1 is supported now).", ge=1, le=1)
-    expert_parallel: int = setting(1, "Expert-parallel degree (reserved: only 1 is supported now).", ge=1, le=1)
+    context_parallel: int = setting(1, "Context-parallel degree (reserved: only 1 is supported now).", ge=1)
+    expert_parallel: int = setting(1, "Expert-parallel degree (reserved: only 1 is supported now).", ge=1)
     use_seq_parallel: bool = setting(
         False, "Sequence parallelism: shard norm/dropout activations along the sequence on the tensor-parallel group."
     )
@@ -468,6 +561,7 @@ class MeshformerConfig:
     eval_dataset: DatasetConfig = setting(
         DatasetConfig, "Validation data (default: the validation split of train_dataset's directory)."
     )
+    processor: ProcessorConfig = setting(ProcessorConfig, "The tokenizer (MindSpore Transformers' processor block).")
     parallel_config: ParallelConfig = setting(ParallelConfig, "How the model is split across devices.")
     parallel: ParallelContextConfig = setting(
         ParallelContextConfig, "MindSpore parallel context (mostly accepted for compatibility)."

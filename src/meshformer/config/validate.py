@@ -203,6 +203,7 @@ def validate_run(cfg: MeshformerConfig, world_size: int | None) -> None:
 def validate_layout(cfg: MeshformerConfig, world_size: int | None) -> None:
     """The parallel degrees against the model and (when known) the number of processes."""
     pc, mc = cfg.parallel_config, cfg.model.model_config
+    check_not_yet(cfg)
     dp, tp, pp = pc.data_parallel, pc.model_parallel, pc.pipeline_stage
     if world_size is not None and dp * tp * pp != world_size:
         alts = [
@@ -254,6 +255,24 @@ def validate_layout(cfg: MeshformerConfig, world_size: int | None) -> None:
     if op and dp % op:
         raise UserError(
             f"optimizer.optimizer_parallel={op} must divide data_parallel={dp}: choose from {_divisors(dp)}"
+        )
+
+
+def check_not_yet(cfg: MeshformerConfig) -> None:
+    """Degrees whose mesh is laid out (parallel/dims.py) but whose technique does not run yet: refused first, so
+    the world-size product below never counts them."""
+    pc = cfg.parallel_config
+    if pc.context_parallel != 1:
+        raise UserError(
+            f"parallel_config.context_parallel={pc.context_parallel}: context parallelism is not yet supported: "
+            "set context_parallel: 1; for long sequences use model_parallel with use_seq_parallel: true and "
+            "recompute_config.recompute"
+        )
+    if pc.expert_parallel != 1:
+        raise UserError(
+            f"parallel_config.expert_parallel={pc.expert_parallel}: expert parallelism is not yet supported (no "
+            "model here has routed experts): set expert_parallel: 1; to spread a large model use "
+            "parallel_config.optimizer_shard: true, model_parallel or pipeline_stage"
         )
 
 

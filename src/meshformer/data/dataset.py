@@ -12,18 +12,23 @@ A sample is a window of seq_length + 1 tokens (inputs and shifted labels); windo
 stride seq_length, so packing crosses document boundaries like Megatron and MindSpore Transformers.
 
 Sample order: epoch e visits the samples in the permutation drawn from (seed, e); the run's k-th sample is
-a pure function of (seed, k), so a checkpoint only records how many global batches were consumed.
+a pure function of (seed, k), so a checkpoint only records how many global batches were consumed. Both classes
+follow data/protocol.py (`sample(i)`, the tokenizer they were made with, `state_dict()`), as any format must;
+data/registry.py opens them as data_loader.type MindDataset.
 """
 
 from __future__ import annotations
 
 import bisect
 import json
+import threading
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from meshformer.data import protocol
+from meshformer.data.protocol import Sample
 from meshformer.errors import UserError
 
 FORMAT = "meshformer-packed-v1"
@@ -133,6 +138,7 @@ class PackedDataset:
                 f"{field}={str(self.dir)!r}: the {split!r} split has {self.tokens.shape[0]} tokens, fewer "
                 f"than seq_length+1={seq_length + 1}: lower model.model_config.seq_length or add text"
             )
+        _tokenizer_of(self)
 
     def __len__(self) -> int:
         return self.num_samples
@@ -142,18 +148,22 @@ class PackedDataset:
         window = self.tokens[start : start + self.seq_length + 1].astype(np.int64)
         return torch.from_numpy(window)
 
+    def sample(self, i: int) -> Sample:
+        return Sample(self[i])
+
     def check_tokenizer(self, tokenizer_hash: str, vocab_size: int, field: str) -> None:
-        if self.meta.get("tokenizer_hash") != tokenizer_hash:
-            raise UserError(
-                f"{field}: the dataset was tokenized with a different tokenizer (hash "
-                f"{str(self.meta.get('tokenizer_hash'))[:12]} vs {tokenizer_hash[:12]}): "
-                f"re-run `meshformer preprocess` with the same tokenizer"
-            )
-        if self.meta["vocab_size"] > vocab_size:
-            raise UserError(
-                f"model.model_config.vocab_size={vocab_size} is smaller than the dataset's tokenizer "
-                f"vocabulary ({self.meta['vocab_size']}): set vocab_size >= {self.meta['vocab_size']}"
-            )
+        protocol.check_tokenizer(self, tokenizer_hash, vocab_size, field)
+
+    def state_dict(self) -> dict:
+        return protocol.identity(self, self.meta["format"])
+
+
+def _tokenizer_of(ds) -> None:
+    """What a preprocessed dataset records of its tokenizer (data/protocol.py); a meta.json without a hash matches
+    no tokenizer, so it is refused as a different one."""
+    ds.tokenizer_hash = str(ds.meta.get("tokenizer_hash"))
+    ds.vocab_size = ds.meta["vocab_size"]
+    ds.tokenizer_file = ds.dir / "tokenizer.json"
 
 
 class SFTDataset:
@@ -197,6 +207,7 @@ class SFTDataset:
         self.rows = pack_rows(lengths, seq_length + 1) if packing else [[i] for i in range(len(lengths))]
         self.samples = len(lengths)
         self.padding = 1 - float(lengths.sum()) / (len(self.rows) * (seq_length + 1))  # share of row tokens
+        _tokenizer_of(self)
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -227,7 +238,11 @@ class SFTDataset:
         docs[: sum(lengths)] = np.repeat(np.arange(len(lengths)), lengths)
         return torch.from_numpy(docs)
 
+    def sample(self, i: int) -> Sample:
+        return Sample(self[i], self.mask(i), self.documents(i))
+
     check_tokenizer = PackedDataset.check_tokenizer
+    state_dict = PackedDataset.state_dict
 
 
 def pack_rows(lengths: np.ndarray, capacity: int) -> list[list[int]]:
@@ -268,16 +283,18 @@ class SampleOrder:
     def __init__(self, num_samples: int, seed: int, shuffle: bool):
         self.n, self.seed, self.shuffle = num_samples, seed, shuffle
         self._epoch, self._perm = -1, None
+        self._lock = threading.Lock()  # prefetching threads (data/prefetch.py) may ask for two epochs at once
 
     def epoch_order(self, epoch: int) -> torch.Tensor:
-        if epoch != self._epoch:
-            if self.shuffle:
-                g = torch.Generator().manual_seed(self.seed * 7919 + epoch)
-                self._perm = torch.randperm(self.n, generator=g)
-            else:
-                self._perm = torch.arange(self.n)
-            self._epoch = epoch
-        return self._perm
+        with self._lock:
+            if epoch != self._epoch:
+                if self.shuffle:
+                    g = torch.Generator().manual_seed(self.seed * 7919 + epoch)
+                    self._perm = torch.randperm(self.n, generator=g)
+                else:
+                    self._perm = torch.arange(self.n)
+                self._epoch = epoch
+            return self._perm
 
 
 class GlobalBatches:
@@ -299,42 +316,48 @@ class GlobalBatches:
         per_rank = self.gb // self.dp_size
         return ids[self.dp_rank * per_rank : (self.dp_rank + 1) * per_rank]
 
-    def batch(self, dataset: PackedDataset, b: int) -> torch.Tensor:
-        """[samples_per_rank, seq_length + 1] token windows for global batch b."""
-        return torch.stack([dataset[int(i)] for i in self.sample_ids(b)])
+    def samples(self, dataset: protocol.Dataset, b: int) -> list[Sample]:
+        return [dataset.sample(int(i)) for i in self.sample_ids(b)]
 
-    def documents(self, dataset, b: int) -> torch.Tensor | None:
-        """[samples_per_rank, seq_length + 1] document index per position of packed rows (None: not packed)."""
-        if getattr(dataset, "documents", None) is None or dataset.documents(0) is None:
-            return None
-        return torch.stack([dataset.documents(int(i)) for i in self.sample_ids(b)])
-
-    def targets(self, dataset, b: int) -> torch.Tensor | None:
-        """[samples_per_rank, seq_length + 1] loss mask of global batch b (None: every token is a target)."""
-        if not hasattr(dataset, "mask"):
-            return None
-        return torch.stack([dataset.mask(int(i)) for i in self.sample_ids(b)])
-
-    def model_inputs(
-        self, dataset, b: int, device: torch.device, vocab_size: int, ignore: int, field: str
+    def host_inputs(
+        self, dataset: protocol.Dataset, b: int, vocab_size: int, ignore: int, field: str
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Inputs, next-token labels and document indices (packed rows; else None) of global batch b's rows, on
-        `device`. Labels the mask does not keep (prompts, padding of instruction data) and labels that would predict
-        the first token of the next packed sample become `ignore`. The token ids are checked against the vocabulary
-        on the host, before the copy: on a GPU a check there would make the host wait for the device every step."""
-        tokens = self.batch(dataset, b)
+        the host, from `dataset.sample(i)` alone. Labels the loss mask does not keep (prompts, padding of
+        instruction data) and labels that would predict the first token of the next packed sample become
+        `ignore`. The token ids are checked against the vocabulary here, before any copy: on a GPU a check there
+        would make the host wait for the device every step."""
+        samples = self.samples(dataset, b)
+        tokens = torch.stack([s.tokens for s in samples])
         if int(tokens.max()) >= vocab_size:  # a corrupt or foreign token file
             raise UserError(
                 f"{field}: global batch {b} holds token id {int(tokens.max())} but model.model_config.vocab_size is "
                 f"{vocab_size}: re-run `meshformer preprocess`"
             )
-        tokens = tokens.to(device)
-        targets, documents = self.targets(dataset, b), self.documents(dataset, b)
         labels = tokens[:, 1:]
-        if targets is not None:
-            labels = labels.masked_fill(~targets[:, 1:].to(device), ignore)
-        if documents is not None:
-            documents = documents.to(device)
+        if samples[0].loss_mask is not None:
+            targets = torch.stack([s.loss_mask for s in samples])
+            labels = labels.masked_fill(~targets[:, 1:], ignore)
+        documents = None
+        if samples[0].documents is not None:
+            documents = torch.stack([s.documents for s in samples])
             labels = labels.masked_fill(documents[:, 1:] != documents[:, :-1], ignore)
             documents = documents[:, :-1]
         return tokens[:, :-1], labels, documents
+
+    def model_inputs(
+        self, dataset: protocol.Dataset, b: int, device: torch.device, vocab_size: int, ignore: int, field: str
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """`host_inputs` on `device`."""
+        return to_device(self.host_inputs(dataset, b, vocab_size, ignore, field), device)
+
+
+def pinned(batch: tuple) -> tuple:
+    """The batch's tensors in page-locked host memory, so the copy to a GPU can run asynchronously."""
+    return tuple(None if t is None else t.pin_memory() for t in batch)
+
+
+def to_device(batch: tuple, device: torch.device) -> tuple:
+    """The batch's tensors on `device`; from pinned memory the copy does not block the host."""
+    non_blocking = device.type == "cuda"
+    return tuple(None if t is None else t.to(device, non_blocking=non_blocking) for t in batch)

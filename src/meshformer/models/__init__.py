@@ -1,6 +1,22 @@
-"""Model definitions: plain nn.Modules with no parallel code."""
+"""Model definitions: plain nn.Modules with no parallel code, one folder per family, found through the registry.
+
+Importing this package registers the built-in families (models/llama/)."""
 
 from meshformer.models.init import build_model, create_model, init_weights, materialize
 from meshformer.models.llama import KVCache, Transformer, num_params
+from meshformer.models.registry import ModelFamily, families, family_for_hf, family_of, register_family
 
-__all__ = ["Transformer", "KVCache", "build_model", "create_model", "init_weights", "materialize", "num_params"]
+__all__ = [
+    "Transformer",
+    "KVCache",
+    "ModelFamily",
+    "build_model",
+    "create_model",
+    "families",
+    "family_for_hf",
+    "family_of",
+    "init_weights",
+    "materialize",
+    "num_params",
+    "register_family",
+]

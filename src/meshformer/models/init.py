@@ -17,7 +17,7 @@ from torch import nn
 
 from meshformer.config.schema import ModelConfig
 from meshformer.dtypes import DTYPE
-from meshformer.models.llama import RMSNorm, RopeTables, Transformer
+from meshformer.models.llama import RMSNorm, RopeTables
 from meshformer.models.lora import lora_init
 
 # Wrapper prefixes that activation checkpointing and torch.compile add to parameter names.
@@ -30,10 +30,14 @@ def canonical_name(fqn: str) -> str:
     return fqn
 
 
-def build_model(mc: ModelConfig) -> Transformer:
-    """The model on the meta device: no memory, no random numbers yet (see init_weights)."""
+def build_model(mc: ModelConfig) -> nn.Module:
+    """The model of mc's family (models/registry.py) on the meta device: no memory, no random numbers yet (see
+    init_weights)."""
+    from meshformer.models.registry import family_of
+
+    family = family_of(mc)
     with torch.device("meta"):
-        model = Transformer(mc)
+        model = family.build(mc)
     for p in model.parameters():  # stored (master) weights in param_init_type; rotary buffers keep rotary_dtype
         p.data = p.data.to(DTYPE[mc.param_init_type])
     return model
@@ -86,7 +90,7 @@ def _draw_here(name: str, shape: tuple, seed: int, std: float, device: torch.dev
     return torch.randn(shape, generator=g) * std
 
 
-def create_model(mc: ModelConfig, seed: int, device: torch.device | str = "cpu") -> Transformer:
+def create_model(mc: ModelConfig, seed: int, device: torch.device | str = "cpu") -> nn.Module:
     """Single-process convenience: build, allocate and initialise in param_init_type."""
     model = build_model(mc)
     return materialize(model, device, seed, DTYPE[mc.param_init_type])

@@ -25,9 +25,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
+from meshformer.backends.torch_private import dump_cuda_memory_snapshot, record_cuda_memory_history
 from meshformer.observe.timing import comm_seconds
 
 STEP_EVENT = "meshformer_step"
@@ -123,7 +123,7 @@ class StepProfiler:
     def _open_window(self) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)
         if self.memory:
-            torch.cuda.memory._record_memory_history(max_entries=200_000)
+            record_cuda_memory_history(200_000)
         self._window = profile(activities=self.activities, record_shapes=True, profile_memory=True, with_stack=False)
         _enter(self._window)
 
@@ -136,8 +136,8 @@ class StepProfiler:
         table = prof.key_averages().table(sort_by=sort, row_limit=25)
         (self.dir / f"top_ops_rank{r}.txt").write_text(table + "\n")
         if self.memory:
-            torch.cuda.memory._dump_snapshot(str(self.dir / f"memory_rank{r}.pickle"))
-            torch.cuda.memory._record_memory_history(enabled=None)
+            dump_cuda_memory_snapshot(str(self.dir / f"memory_rank{r}.pickle"))
+            record_cuda_memory_history(None)
         if self.env.is_metrics_rank:
             self.log(f"profile of steps {self.first}-{self.last} in {self.dir} (trace_rank*.json: Perfetto)\n{table}")
 

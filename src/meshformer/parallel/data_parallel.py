@@ -1,12 +1,12 @@
 """Data parallelism and optimizer sharding on FSDP2's machinery.
 
 - No sharding: `replicate` (DDP semantics on FSDP2's engine: parameters stay whole, gradients are
-  all-reduced/averaged over the data-parallel group after backward).
+  all-reduced/averaged over the `dp_replicate` mesh after backward).
 - Sharding (`parallel_config.optimizer_shard`, `parallel.enable_parallel_optimizer` or
-  `optimizer.optimizer_parallel > 0`): `fully_shard` over the `dp_shard` mesh dim; when the shard group is
-  smaller than data_parallel the mesh is 2-D (`dp_replicate` x `dp_shard`) and FSDP2 runs HSDP (shard inside
-  a group, all-reduce across groups). Parameters, gradients and AdamW states all live sharded, so memory per
-  rank for them falls by the shard degree.
+  `optimizer.optimizer_parallel > 0`, or context parallel ranks): `fully_shard` over the named "fsdp" mesh
+  (dp_shard x cp, parallel/dims.py); with `dp_replicate` > 1 the mesh is 2-D (`dp_replicate` x "fsdp") and
+  FSDP2 runs HSDP (shard inside a group, all-reduce across groups). Parameters, gradients and AdamW states all
+  live sharded, so memory per rank for them falls by the shard degree.
 
 Each decoder layer is its own FSDP unit (one all-gather / reduce-scatter per layer, overlapped with compute)
 and the root module takes the rest (embedding, final norm, output projection).
@@ -23,6 +23,7 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
+from meshformer.backends.torch_private import replicate_with_fsdp
 from meshformer.config.schema import MeshformerConfig
 from meshformer.parallel.env import ParallelEnv
 
@@ -44,13 +45,13 @@ def reshard_after_forward(cfg: MeshformerConfig) -> bool:
 
 
 def apply_data_parallel(model: nn.Module, cfg: MeshformerConfig, env: ParallelEnv) -> None:
-    """Wrap one model part in place for data parallelism over env's dp dims (no-op when dp == 1)."""
-    if env.dp_size == 1:
+    """Wrap one model part in place for data parallelism over env's loss mesh (dp x cp; no-op when it is 1 rank)."""
+    if env.mesh_size("loss") == 1:
         return
     mp = mixed_precision(cfg)
     layers = list(model.layers.values())
     if env.sharded:
-        mesh = env.submesh("dp_replicate", "dp_shard") if env.dp_replicate_size > 1 else env.submesh("dp_shard")
+        mesh = env.mesh_for("dp_replicate", "fsdp") if env.dp_replicate_size > 1 else env.mesh_for("fsdp")
         reshard = reshard_after_forward(cfg)
         kw = {"mp_policy": mp}
         if cfg.parallel_config.cpu_offload:  # shards, gradients and optimizer states in host memory
@@ -61,9 +62,8 @@ def apply_data_parallel(model: nn.Module, cfg: MeshformerConfig, env: ParallelEn
         # keeping them gathered avoids an immediate re-gather.
         fully_shard(model, mesh=mesh, reshard_after_forward=False, **kw)
     else:
-        from torch.distributed._composable.replicate_with_fsdp import replicate
-
-        mesh = env.submesh("dp_replicate")
+        replicate = replicate_with_fsdp()
+        mesh = env.mesh_for("dp_replicate")
         for layer in layers:
             replicate(layer, mesh=mesh, mp_policy=mp)
         replicate(model, mesh=mesh, mp_policy=mp)

@@ -1,23 +1,32 @@
-"""The runtime half of the layout: process group, DeviceMesh and collectives, built from `ParallelDims`.
+"""The runtime half of the layout: process group, DeviceMeshes and collectives, built from `ParallelDims`.
 
 `dims.py` does all the rank arithmetic (and is tested without processes); this module only starts the
-process group, asks torch for the mesh of `dims.mesh_shape`, and checks that torch placed this rank where
-`dims.coords` says. Single-process runs (no torchrun) get a ParallelEnv with every degree 1 and no process group.
+process group, asks torch for the dense mesh of `dims.mesh_shape` over MESH_DIMS ("pp", "dp_replicate",
+"dp_shard", "cp", "tp"; a size-1 dim is still a mesh dim), flattens the named meshes that span several dims
+("batch", "loss", "fsdp") with `backends.torch_private.flatten_mesh`, and checks that torch placed this rank where
+`dims.coords` and `dims.mesh_groups` say. `mesh_for(name)` hands a technique its mesh and `reduce_sum(t, name)`
+sums over one (the loss and token counts over "loss"). The routed experts' mesh (ep, efsdp) exists as rank lists in
+`dims` only until expert parallelism runs. Single-process runs (no torchrun) get a ParallelEnv with every degree 1
+and no process group.
 """
 
 from __future__ import annotations
 
 import datetime
 import os
+import warnings
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
+from meshformer.backends.torch_private import flatten_mesh
 from meshformer.config.schema import MeshformerConfig
 from meshformer.errors import UserError
-from meshformer.parallel.dims import MESH_DIMS, ParallelDims
+from meshformer.parallel.dims import MESH_DIMS, NAMED_MESHES, ParallelDims
 from meshformer.parallel.peers import Peers
+
+FLATTENED = ("batch", "loss", "fsdp")  # the named meshes that span several dense dims, flattened once per mesh
 
 
 @dataclass
@@ -28,7 +37,7 @@ class ParallelEnv:
     device: torch.device = torch.device("cpu")
     backend: str = ""
     mesh: object | None = None  # torch.distributed DeviceMesh over MESH_DIMS
-    dp_mesh: object | None = None  # the flattened (dp_replicate x dp_shard) mesh, kept here rather than re-sliced
+    flat_meshes: dict = field(default_factory=dict)  # "batch", "loss", "fsdp": flattened once, kept (build_meshes)
     peers: Peers | None = None  # heartbeats in the launcher's store, to name a dead or hung rank
     coords: dict = field(init=False)
 
@@ -59,26 +68,62 @@ class ParallelEnv:
 
     @property
     def grad_average_size(self) -> int:
-        """How many ranks gradient reduction averages over (the loss is pre-multiplied by it)."""
-        return self.dp_size
+        """How many ranks gradient reduction averages over (the loss is pre-multiplied by it): the loss mesh."""
+        return self.dims.mesh_size("loss")
+
+    def mesh_size(self, name: str) -> int:
+        return self.dims.mesh_size(name)
+
+    def mesh_for(self, *names: str):
+        """This rank's DeviceMesh of a named mesh (dims.NAMED_MESHES), or the multi-dim mesh of several (HSDP:
+        "dp_replicate", "fsdp"). Only with a process group (`distributed`)."""
+        if not self.distributed:
+            raise RuntimeError("one process has no DeviceMesh: check env.distributed first")
+        for name in names:
+            if name not in NAMED_MESHES:
+                raise ValueError(f"unknown mesh {name!r}: one of {', '.join(NAMED_MESHES)}")
+            if NAMED_MESHES[name][0] != "dense":
+                raise NotImplementedError(
+                    f"the {name!r} mesh is built with expert parallelism; until then its ranks are "
+                    f"dims.mesh_groups({name!r})"
+                )
+        if len(names) == 1:
+            name = "batch" if names[0] == "dp" else names[0]
+            return self.flat_meshes[name] if name in self.flat_meshes else self.mesh[name]
+        dense = tuple(self._carrying_dim(n) for n in names)
+        if None not in dense:
+            return self.mesh[dense]
+        with warnings.catch_warnings():  # torch 2.13 still slices flattened dims from the root, with a warning
+            warnings.filterwarnings("ignore", message="Slicing a flattened dim")
+            return self.mesh[names]
 
     def submesh(self, *names: str):
+        """The dense mesh's sub-mesh of MESH_DIMS names (one, or several as a multi-dim mesh)."""
         return self.mesh[names[0]] if len(names) == 1 else self.mesh[names]
 
+    def _carrying_dim(self, name: str) -> str | None:
+        """The one dense dim whose groups are the named mesh's (the other dims it spans have size 1), or None."""
+        spans = NAMED_MESHES[name][1]
+        wide = [n for n in spans if getattr(self.dims, n) > 1]
+        return spans[0] if not wide else wide[0] if len(wide) == 1 else None
+
     def group(self, name: str):
-        """The process group of one mesh dim ("pp", "dp", "tp", ...) for this rank."""
-        return self.dp_mesh.get_group() if name == "dp" else self.mesh[name].get_group()
+        """This rank's process group of one named mesh ("pp", "tp", "loss", "fsdp", "dp" = "batch", ...)."""
+        return self.mesh_for(name).get_group()
+
+    def reduce_sum(self, t: torch.Tensor, name: str) -> torch.Tensor:
+        """Sum `t` over this rank's group of the named mesh (in place, also returned); a no-op for one process or
+        a mesh of size 1."""
+        if self.distributed and self.dims.mesh_size(name) > 1:
+            dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group(name))
+        return t
 
     def all_reduce_sum_dp(self, t: torch.Tensor) -> torch.Tensor:
-        """Sum over the data-parallel group (in place, also returned). A no-op without data parallelism."""
-        if self.distributed and self.dp_size > 1:
-            dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group("dp"))
-        return t
+        """Deprecated: `reduce_sum(t, "batch")` (tests/dist/dead_rank.py still calls it)."""
+        return self.reduce_sum(t, "batch")
 
     def all_reduce_sum_pp(self, t: torch.Tensor) -> torch.Tensor:
-        if self.distributed and self.pp_size > 1:
-            dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group("pp"))
-        return t
+        return self.reduce_sum(t, "pp")
 
     def all_ok(self, ok: bool) -> bool:
         """True only when every rank passes True (a collective: every rank must call it).
@@ -208,9 +253,7 @@ def init_parallel(cfg: MeshformerConfig, world_size: int | None = None) -> Paral
             f"WORLD_SIZE={world} but the process group has {dist.get_world_size()} ranks: "
             f"launch with torchrun --nproc-per-node {world}"
         )
-    from torch.distributed.device_mesh import init_device_mesh
-
-    mesh = init_device_mesh(device.type, dims.mesh_shape, mesh_dim_names=MESH_DIMS)
+    mesh, flat = build_meshes(dims, device.type)
     env = ParallelEnv(
         dims=dims,
         rank=dist.get_rank(),
@@ -218,10 +261,29 @@ def init_parallel(cfg: MeshformerConfig, world_size: int | None = None) -> Paral
         device=device,
         backend=dist.get_backend(),
         mesh=mesh,
-        dp_mesh=mesh["dp_replicate", "dp_shard"]._flatten("dp"),
+        flat_meshes=flat,
         peers=Peers.connect(dist.get_rank(), world),
     )
-    placed = dict(zip(MESH_DIMS, mesh.get_coordinate()))
-    if placed != {n: env.coords[n] for n in MESH_DIMS}:  # dims.coords must describe torch's layout exactly
-        raise RuntimeError(f"rank {env.rank}: DeviceMesh put it at {placed}, ParallelDims computed {env.coords}")
+    check_placement(env)
     return env
+
+
+def build_meshes(dims: ParallelDims, device_type: str) -> tuple[object, dict]:
+    """The dense DeviceMesh over MESH_DIMS and the named meshes flattened from it ("batch", "loss", "fsdp"), on the
+    process group that exists (a run's, or the planner's fake one). Collective: every rank calls it."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh(device_type, dims.mesh_shape, mesh_dim_names=MESH_DIMS)
+    flat = {name: flatten_mesh(mesh, NAMED_MESHES[name][1], name) for name in FLATTENED}
+    return mesh, flat
+
+
+def check_placement(env: ParallelEnv) -> None:
+    """Fail unless torch put this rank where dims says: its dense coordinates and its group of each named mesh."""
+    placed = dict(zip(MESH_DIMS, env.mesh.get_coordinate()))
+    if placed != {n: env.coords[n] for n in MESH_DIMS}:
+        raise RuntimeError(f"rank {env.rank}: DeviceMesh put it at {placed}, ParallelDims computed {env.coords}")
+    for name, flat in env.flat_meshes.items():
+        group = next(g for g in env.dims.mesh_groups(name) if env.rank in g)
+        if flat.mesh.flatten().tolist() != group:
+            raise RuntimeError(f"rank {env.rank}: the {name!r} mesh is {flat.mesh.tolist()}, ParallelDims has {group}")

@@ -15,6 +15,7 @@ import os
 from torch import nn
 
 from meshformer.config.schema import MeshformerConfig
+from meshformer.models.registry import family_of
 from meshformer.parallel.data_parallel import apply_data_parallel
 from meshformer.parallel.env import ParallelEnv
 from meshformer.parallel.parts import LossFn, ModelParts
@@ -92,7 +93,8 @@ def parallelize(
     pieces = split_pipeline(model, cfg, env.pp_rank) if env.pp_size > 1 else [(0, model)]
     for _, part in pieces:
         if env.tp_size > 1:
-            apply_tp(part, env.submesh("tp"), model.tp_plan(), cfg.parallel_config.use_seq_parallel)
+            plan = family_of(model.config).tp_plan(model)
+            apply_tp(part, env.submesh("tp"), plan, cfg.parallel_config.use_seq_parallel)
         rc = cfg.recompute_config
         apply_recompute(part, rc.recompute, stage_index=env.pp_rank, select=rc.select_recompute)
         if env.device.type == "cuda":

@@ -2,7 +2,10 @@
 
 `ModelParts` is the contract between the trainer and the parallel layer. The trainer hands it a rank's
 micro-batches and a loss scale; it runs forward and backward (accumulating, or through a pipeline schedule)
-and returns the summed (unscaled) token loss. The trainer never looks inside.
+and returns the summed (unscaled) token loss. The trainer never looks inside. Auxiliary losses a module reports
+(models/aux_loss.py): the step collects them around forward_backward, and each micro-batch's real forward runs
+under `counting_aux_losses` (so a recompute in backward does not count again); their gradient rides on the
+activations' backward, so it flows under accumulation and on every pipeline stage alike.
 
 `parallel/parallelize.py` builds it; `train/step.py` drives it.
 """
@@ -16,12 +19,15 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from meshformer.backends.torch_private import foreach_mul_
 from meshformer.config.schema import MeshformerConfig
 from meshformer.dtypes import DTYPE
+from meshformer.models.aux_loss import counting_aux_losses
 from meshformer.parallel.data_parallel import set_grad_sync
 from meshformer.parallel.env import ParallelEnv
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (logits, labels) -> summed token loss
+MicroContext = Callable[[int], contextlib.AbstractContextManager]  # micro-batch index -> what its fwd/bwd runs in
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -39,6 +45,7 @@ class ModelParts:
     def __init__(self, parts: list[nn.Module], cfg: MeshformerConfig, env: ParallelEnv, loss_fn: LossFn):
         self.parts, self.cfg, self.env, self.loss_fn = parts, cfg, env, loss_fn
         self.compile_note = ""  # parallelize: whether the layers and the loss were compiled, and why
+        self.aux_loss_names: list[str] | None = None  # the auxiliary losses all ranks reduce (train/step.py)
         mc = cfg.model.model_config
         self.autocast_dtype = DTYPE[mc.compute_dtype] if mc.compute_dtype != mc.param_init_type else None
 
@@ -74,9 +81,11 @@ class ModelParts:
         n_micro: int,
         loss_scale: float | torch.Tensor,
         documents: torch.Tensor | None = None,
+        micro_context: MicroContext | None = None,
     ) -> torch.Tensor:
         """inputs/labels: [n_micro * micro_batch, seq]. Backward of sum_loss * loss_scale per micro-batch.
         documents: [n_micro * micro_batch, seq] document index per position of packed rows (None: unpacked).
+        micro_context: micro-batch i's forward and backward run in micro_context(i) (train/hooks.py).
 
         Returns the detached summed token loss over all micro-batches (before scaling).
         """
@@ -87,9 +96,10 @@ class ModelParts:
         with self.loss_context():
             for i, (x, y, d) in enumerate(chunks):
                 set_grad_sync(self.parts, i == len(chunks) - 1)  # reduce gradients once, after the last
-                with self.autocast():
-                    loss = self.loss_fn(_call(model, x, d), y)
-                (loss * loss_scale).backward()
+                with micro_context(i) if micro_context is not None else contextlib.nullcontext():
+                    with self.autocast(), counting_aux_losses():
+                        loss = self.loss_fn(_call(model, x, d), y)
+                    (loss * loss_scale).backward()
                 total += _local(loss.detach()).float()
         return total
 
@@ -116,7 +126,7 @@ class ModelParts:
     def scale_grads_(self, factor: float) -> None:
         """Multiply every gradient in place (undoing a loss scale before the norm and the update)."""
         for grads in _grad_groups(self.parameters()).values():
-            torch._foreach_mul_(grads, factor)
+            foreach_mul_(grads, factor)
 
     def clip_grad_norm_(self, max_norm: float | None) -> torch.Tensor:
         """Global L2 norm of all gradients; clips them in place when max_norm is given (torch's formula). Nothing
@@ -128,7 +138,7 @@ class ModelParts:
             coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
             for grads in groups.values():
                 local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]  # shards: views, in place
-                torch._foreach_mul_(local, coef.to(local[0].device))
+                foreach_mul_(local, coef.to(local[0].device))
         return total
 
 

@@ -6,10 +6,21 @@ import torch
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
 
+from meshformer.backends.torch_private import pipeline_batch_p2p
 from meshformer.config.schema import MeshformerConfig
+from meshformer.models.aux_loss import counting_aux_losses
 from meshformer.parallel.env import ParallelEnv
 from meshformer.parallel.parts import LossFn, ModelParts, _local
 from meshformer.parallel.pipeline import SCHEDULES, num_stages
+
+
+class _Stage(PipelineStage):
+    """A stage whose schedule-driven forwards count the auxiliary losses they report (models/aux_loss.py): the
+    schedule's shape inference on the first step, and a recompute in backward, run the module outside this."""
+
+    def forward_one_chunk(self, *args, **kwargs):
+        with counting_aux_losses():
+            return super().forward_one_chunk(*args, **kwargs)
 
 
 class PipelineParts(ModelParts):
@@ -41,7 +52,7 @@ class PipelineParts(ModelParts):
         if n_micro not in self._schedules:
             group = self.env.group("pp")
             stages = [
-                PipelineStage(part, sid, self.n_stages, self.env.device, group=group)
+                _Stage(part, sid, self.n_stages, self.env.device, group=group)
                 for part, sid in zip(self.parts, self.stage_ids)
             ]
             cls = SCHEDULES[self.cfg.parallel_config.pipeline_schedule]
@@ -52,10 +63,15 @@ class PipelineParts(ModelParts):
         return self._schedules[n_micro]
 
     def forward_backward(
-        self, inputs, labels, n_micro: int, loss_scale: float | torch.Tensor, documents=None
+        self, inputs, labels, n_micro: int, loss_scale: float | torch.Tensor, documents=None, micro_context=None
     ) -> torch.Tensor:
         if documents is not None:  # config validation refuses packing with pipeline_stage > 1
             raise ValueError("packed documents are not supported with pipeline parallelism")
+        if micro_context is not None:  # the schedule interleaves micro-batches inside one call (train/hooks.py)
+            raise ValueError(
+                "a training hook's micro_batch_context cannot run under pipeline parallelism: the schedule "
+                "interleaves its micro-batches; wrap the whole step with step_context instead"
+            )
         sched = self.schedule(n_micro)
         self._scale, self._recorded = loss_scale, []
         self._last = (n_micro, inputs.shape[0] // n_micro)
@@ -89,8 +105,7 @@ class PipelineParts(ModelParts):
         each rank runs the stages it holds as their inputs arrive (GPipe order, no backward). The batch is cut
         into chunks of the training micro-batch size, the shape the stages' receive buffers were built for.
         """
-        from torch.distributed.pipelining.schedules import _sorted_batch_p2p, _wait_batch_p2p
-
+        sorted_batch_p2p, wait_batch_p2p = pipeline_batch_p2p()
         if getattr(self, "_last", None) is None:
             raise RuntimeError("pipeline eval_loss needs one training step first (it reuses the schedule's stages)")
         n_micro, rows = self._last
@@ -110,17 +125,17 @@ class PipelineParts(ModelParts):
                     if st is None:
                         continue
                     if not st.is_first and s - 1 not in stages:  # a neighbour on this rank handed it over
-                        for w in _sorted_batch_p2p(st.get_fwd_recv_ops(0), desc="fwd_recv").values():
-                            _wait_batch_p2p(w)
+                        for w in sorted_batch_p2p(st.get_fwd_recv_ops(0), desc="fwd_recv").values():
+                            wait_batch_p2p(w)
                     out = st.forward_one_chunk(0, (x,) if st.is_first else (), {})
                     if s + 1 in stages:  # V schedules: the next stage lives on this rank too
                         stages[s + 1].set_local_fwd_input(out, 0)
                     elif not st.is_last:
-                        sends.extend(_sorted_batch_p2p(st.get_fwd_send_ops(0), desc="fwd_send").values())
+                        sends.extend(sorted_batch_p2p(st.get_fwd_send_ops(0), desc="fwd_send").values())
                     if st.is_last:
                         total += _local(self.loss_fn(out, y)).float()
                 for w in sends:
-                    _wait_batch_p2p(w)
+                    wait_batch_p2p(w)
                 for st in stages.values():
                     st.clear_runtime_states()
         return total

@@ -26,10 +26,15 @@ from functools import partial
 
 import torch
 from torch import nn
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from meshformer.models.cpu_linear import onednn_mm
+import meshformer.backends.cpu  # noqa: F401 - registers torch.ops.meshformer.onednn_mm, kept below
+from meshformer.backends.torch_private import (
+    attention_kernel_ops,
+    checkpoint_wrapper,
+    functional_collective_ops,
+    tree_leaves,
+)
 
 aten = torch.ops.aten
 
@@ -39,15 +44,10 @@ SAVED_OPS = {
     aten.mm,
     aten.addmm,
     aten.bmm,
-    aten._scaled_dot_product_flash_attention,
-    aten._scaled_dot_product_flash_attention_for_cpu,
-    aten._scaled_dot_product_efficient_attention,
-    aten._scaled_dot_product_cudnn_attention,
-    onednn_mm._opoverload.overloadpacket,  # fp32 CPU linears on oneDNN (models/cpu_linear.py)
+    *attention_kernel_ops(),
+    torch.ops.meshformer.onednn_mm,  # fp32 CPU linears on oneDNN (backends/cpu.py)
+    *functional_collective_ops(),
 }
-for _name in ("all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor", "all_to_all_single"):
-    if hasattr(torch.ops, "_c10d_functional") and hasattr(torch.ops._c10d_functional, _name):
-        SAVED_OPS.add(getattr(torch.ops._c10d_functional, _name))
 
 
 # Called with every tensor selective recompute keeps (memory accounting listens: train/memory.py). The policy's
@@ -58,7 +58,7 @@ KEPT_LISTENERS: list = []
 
 def _report(value) -> None:
     if KEPT_LISTENERS:
-        for kept in torch.utils._pytree.tree_leaves(value):
+        for kept in tree_leaves(value):
             t = getattr(kept, "val", None)
             if isinstance(t, torch.Tensor):
                 for listener in KEPT_LISTENERS:

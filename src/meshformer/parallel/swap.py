@@ -23,8 +23,8 @@ import weakref
 
 import torch
 from torch import nn
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
+from meshformer.backends.torch_private import is_checkpoint_wrapped
 from meshformer.errors import UserError
 
 MIN_BYTES = 1 << 20  # smaller tensors are not worth a copy
@@ -167,7 +167,7 @@ def apply_swap(model: nn.Module, swap_config) -> int:
     swap = ActivationSwap(prefetch)
     for key in layers.keys():
         if int(key) in chosen:
-            if isinstance(layers[key], CheckpointWrapper):
+            if is_checkpoint_wrapped(layers[key]):
                 raise UserError(
                     f"swap_config: layer {key} is also recomputed (recompute_config), and a recomputed layer saves "
                     "nothing its checkpoint does not keep itself: swap other layers (layer_swap) or recompute fewer"

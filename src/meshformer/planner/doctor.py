@@ -62,7 +62,8 @@ def memory_findings(plan: Plan) -> list[Finding]:
     head = (
         f"out of memory: pipeline rank {m.stage} needs {worst.reserved_bytes / GIB:.1f} GiB of "
         f"{plan.device_memory / GIB:.1f} GiB (weights {m.params_bytes / GIB:.1f}, gradients {m.grads_bytes / GIB:.1f}, "
-        f"optimizer {m.optimizer_bytes / GIB:.1f}, activations {m.activations_bytes / GIB:.1f} for {m.in_flight} "
+        f"optimizer {m.optimizer_bytes / GIB:.1f}, activations {m.activations_bytes / GIB:.1f}"
+        f"{' (counted on the modules)' if m.activations_counted else ''} for {m.in_flight} "
         f"micro-batch(es) in flight). Knobs in the order to try them:"
     )
     cfg, pc = plan.cfg, plan.cfg.parallel_config

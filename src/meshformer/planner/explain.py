@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from meshformer.models.llama import param_count
+from meshformer.models.registry import family_of
 from meshformer.planner.plan import FRAGMENTATION, Plan
 
 GIB = 1 << 30
@@ -20,21 +20,29 @@ def explain(plan: Plan) -> list[str]:
     T = plan.micro_batch * mc.seq_length
     h, f, L = mc.hidden_size, mc.ffn_hidden_size, mc.num_layers
     q, kv = mc.num_heads * mc.dim_per_head, mc.num_kv_heads * mc.dim_per_head
-    N = param_count(mc)
+    N = family_of(mc).param_count(mc)
     tp, sp = dims.tp, pc.use_seq_parallel and dims.tp > 1
     lines = [
         f"parameters N = {N:,} ({mc.num_layers} layers x (attention h*q + 2*h*kv + q*h + SwiGLU 3*h*f + 2 norms) "
         f"+ embedding{'' if mc.tie_word_embeddings else ' and head'} V*h + final norm)",
         f"tokens per micro-batch T = micro batch {plan.micro_batch} x seq_length {mc.seq_length} = {T:,}; "
         f"element sizes: compute a = {a} B, norms n = {n} B",
-        f"per layer, no recompute (T={T:,}, h={h}, q={q}, kv={kv}, f={f}, t={tp}{', SP' if sp else ''}):",
-        f"  2 RMSNorms  2 x (2*T*h*n + T*n){' / t' if sp else ''} = "
-        f"{_g(2 * (2 * T * h * n + T * n) // (tp if sp else 1))}; their outputs read by the linears 2 x T*h*a = "
-        f"{_g(2 * T * h * a)}",
-        f"  attention   (2*T*q + 2*T*kv)*a/t + 4*T*heads/t = "
-        f"{_g((2 * T * q + 2 * T * kv) * a // tp + 4 * T * mc.num_heads // tp)}",
-        f"  SwiGLU      4*T*f*a/t = {_g(4 * T * f * a // tp)}",
     ]
+    if any(s.memory.activations_counted for s in plan.stages):  # the family has no activation model
+        lines.append(
+            "per layer: counted, not a formula: one forward of the real modules on fake tensors, the distinct "
+            "storages saved for backward (planner/counted_activations.py)"
+        )
+    else:
+        lines += [
+            f"per layer, no recompute (T={T:,}, h={h}, q={q}, kv={kv}, f={f}, t={tp}{', SP' if sp else ''}):",
+            f"  2 RMSNorms  2 x (2*T*h*n + T*n){' / t' if sp else ''} = "
+            f"{_g(2 * (2 * T * h * n + T * n) // (tp if sp else 1))}; their outputs read by the linears 2 x T*h*a = "
+            f"{_g(2 * T * h * a)}",
+            f"  attention   (2*T*q + 2*T*kv)*a/t + 4*T*heads/t = "
+            f"{_g((2 * T * q + 2 * T * kv) * a // tp + 4 * T * mc.num_heads // tp)}",
+            f"  SwiGLU      4*T*f*a/t = {_g(4 * T * f * a // tp)}",
+        ]
     for s in plan.stages:
         m = s.memory
         lines += [

@@ -22,33 +22,30 @@ import sys
 def fake_state_bytes(cfg, rank: int, world: int) -> dict:
     import torch
     import torch.distributed as dist
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.testing._internal.distributed.fake_pg import FakeStore
 
+    from meshformer.backends.torch_private import fake_store, fake_tensor_mode
     from meshformer.dtypes import DTYPE
     from meshformer.models import build_model, materialize
     from meshformer.models.transforms import apply_model_transforms
     from meshformer.parallel import parallelize
-    from meshformer.parallel.dims import MESH_DIMS, ParallelDims
-    from meshformer.parallel.env import ParallelEnv
+    from meshformer.parallel.dims import ParallelDims
+    from meshformer.parallel.env import ParallelEnv, build_meshes, check_placement
     from meshformer.train.optim import Optimizers
     from meshformer.train.step import make_loss_fn
 
     dims = ParallelDims.from_config(cfg, world)
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+    dist.init_process_group("fake", store=fake_store()(), rank=rank, world_size=world)
     try:
-        mesh = init_device_mesh("cpu", dims.mesh_shape, mesh_dim_names=MESH_DIMS)
-        env = ParallelEnv(
-            dims=dims, rank=rank, backend="fake", mesh=mesh, dp_mesh=mesh["dp_replicate", "dp_shard"]._flatten("dp")
-        )
+        mesh, flat = build_meshes(dims, "cpu")  # the run's meshes (init_parallel), on the fake process group
+        env = ParallelEnv(dims=dims, rank=rank, backend="fake", mesh=mesh, flat_meshes=flat)
+        check_placement(env)
         # build_parts's steps, with the allocation (materialize) on fake tensors: parallelize works on the meta
         # device as in a run.
         mc = cfg.model.model_config
         model = build_model(mc)
         apply_model_transforms(model, cfg)
         parts = parallelize(model, cfg, env, make_loss_fn(cfg))
-        with FakeTensorMode(allow_non_fake_inputs=True):
+        with fake_tensor_mode()(allow_non_fake_inputs=True):
             for part in parts.parts:
                 materialize(part, torch.device("cpu"), cfg.seed, DTYPE[mc.param_init_type])
             params = list(parts.parameters())
@@ -89,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     args, overrides = ap.parse_known_args(argv)
     cfg = load_config(args.config, overrides)
     pc = cfg.parallel_config
-    world = args.world or pc.data_parallel * pc.model_parallel * pc.pipeline_stage
+    world = args.world or pc.data_parallel * pc.context_parallel * pc.model_parallel * pc.pipeline_stage
     print(json.dumps(fake_state_bytes(cfg, args.rank, world)))
     return 0
 

@@ -19,13 +19,14 @@ import torch
 from meshformer.config.schema import MeshformerConfig
 from meshformer.dtypes import DTYPE
 from meshformer.errors import UserError
-from meshformer.models.llama import param_count
+from meshformer.models.registry import family_of
 from meshformer.parallel.dims import ParallelDims
 
 
 def state_bytes_floor(cfg: MeshformerConfig, dims: ParallelDims) -> int:
     """Bytes of parameters + gradients + AdamW moments on the most loaded rank, at the least."""
-    n = param_count(cfg.model.model_config)
+    mc = cfg.model.model_config
+    n = family_of(mc).param_count(mc)
     item = torch.empty((), dtype=DTYPE[cfg.model.model_config.param_init_type]).element_size()
     return n * item * 4 // (dims.tp * dims.pp * dims.dp_shard)
 
@@ -74,7 +75,7 @@ def check_fits(cfg: MeshformerConfig, dims: ParallelDims, device: torch.device) 
     if need <= have:
         return
     raise UserError(
-        f"model.model_config: {param_count(mc):,} parameters (hidden_size={mc.hidden_size}, num_layers="
+        f"model.model_config: {family_of(mc).param_count(mc):,} parameters (hidden_size={mc.hidden_size}, num_layers="
         f"{mc.num_layers}, vocab_size={mc.vocab_size}) need at least {need / gib:,.1f} GiB per rank for weights, "
         f"gradients and AdamW states, but the {device.type} has {have / gib:,.1f} GiB: check those sizes for a typo, "
         f"or split the model further (model_parallel, pipeline_stage, optimizer_shard)"

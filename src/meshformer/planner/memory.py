@@ -5,9 +5,16 @@ the pipeline split (`split_pipeline`), the family's tensor-parallel plan (`resol
 style shards, uneven splits rounded up) and FSDP's dim-0 shards (padded to equal size). Gradients exist for
 trainable parameters only; AdamW keeps two moments in the parameter's dtype and a 4-byte step per parameter.
 
-Activations (the bytes autograd saves for backward) follow the operations of models/llama.py, per layer and
-micro-batch of T = micro_batch x seq_length tokens, in Korthikanti et al.'s style (sbh(34 + 5as/h) for GPT-3's
-layer) but for this layer: RMSNorm, SwiGLU, GQA and SDPA, which keeps no s x s scores. With element sizes
+Activations (the bytes autograd saves for backward) are the model family's to say, per decoder layer and
+micro-batch: planner/activations.py's `ActivationModel`, which a family registers as its `activation_model`
+(models/registry.py) beside its modules. A family without one is counted on its real modules under FakeTensorMode
+(planner/counted_activations.py: one fake forward, the distinct storages saved) and the plan marks the figure
+`activations_counted`. What is not the layer's stays here, for every family: micro-batches in flight, pipeline
+buffers, autocast's weight copies, the log-softmax, recompute's working set.
+
+The Llama family's model (models/llama/activations.py) follows the operations of models/llama/model.py, per layer
+and micro-batch of T = micro_batch x seq_length tokens, in Korthikanti et al.'s style (sbh(34 + 5as/h) for
+GPT-3's layer) but for this layer: RMSNorm, SwiGLU, GQA and SDPA, which keeps no s x s scores. With element sizes
 n (norm dtype), a (compute dtype), tensor parallel degree t, sequence parallel dividing the norms' part:
 
     per RMSNorm   2 T h n + T n        (its fp32 input and normalised value, the rsqrt)    [/ t with SP]
@@ -28,7 +35,7 @@ parallel). Token ids, labels and the rotary tables are the batch's and the model
 holds as many micro-batches in flight as its schedule makes it (all of them under GPipe, pp - rank under 1F1B;
 multi-stage schedules are replayed from their own action list, planner/schedule.py), and a later stage keeps a
 receive buffer per micro-batch. Schedules that split the backward keep part of each micro-batch from its weight step
-to the end of the step (`split_backward_kept_bytes`).
+to the end of the step (the Llama family's `split_backward_kept_bytes`; a family that does not say keeps it whole).
 tests/test_memory.py and tests/test_parallel.py check every figure against the bytes real runs measure
 (train/memory.py).
 """
@@ -44,6 +51,7 @@ from meshformer.config.schema import MeshformerConfig, ModelConfig
 from meshformer.config.validate import V_SCHEDULES
 from meshformer.dtypes import DTYPE
 from meshformer.parallel.dims import ParallelDims
+from meshformer.planner.activations import ActivationModel, ActivationShape
 
 # Which dimension of a parameter each tensor-parallel style shards (None: replicated). parallel/tp.py's styles.
 TP_SHARD_DIM = {
@@ -75,6 +83,9 @@ class StageMemory:
     # autocast's cache holds a compute-dtype copy of every weight it casts until the forward's autocast region ends;
     # a recomputed layer's copies are not saved for backward, so they are counted here, apart from the activations
     autocast_cache_bytes: int = 0
+    # the layers' activations were counted on the modules under FakeTensorMode (the family has no activation
+    # model: planner/counted_activations.py), not given by a formula
+    activations_counted: bool = False
 
     @property
     def states_bytes(self) -> int:
@@ -106,7 +117,7 @@ def states_bytes(cfg: MeshformerConfig, dims: ParallelDims, pp_rank: int) -> tup
     params = grads = optim = layers = matmul = 0
     fsdp = dims.dp_shard if dims.dp_shard > 1 else 1
     for _, piece in pieces:
-        styles = resolve_plan(piece, piece.tp_plan()) if dims.tp > 1 else {}
+        styles = resolve_plan(piece, _tp_plan(cfg.model.model_config, piece)) if dims.tp > 1 else {}
         layers += len(piece.layers)
         seen = set()
         for name, p in piece.named_parameters():
@@ -144,148 +155,6 @@ def _layer_matmul_elements(piece, key: str, styles: dict[str, str], tp: int) -> 
     return total
 
 
-@dataclass
-class LayerGrads:
-    """Which pieces of a decoder layer train (the rest is frozen, e.g. by LoRA or freezing); LoRA ranks by linear."""
-
-    norm1: bool = True
-    q: bool = True
-    k: bool = True
-    v: bool = True
-    o: bool = True
-    norm2: bool = True
-    gate: bool = True
-    up: bool = True
-    down: bool = True
-    qk_norm: bool = True
-    lora: dict | None = None  # linear name (q, k, ...) -> rank
-
-    @classmethod
-    def of(cls, layer) -> "LayerGrads":
-        def trains(module) -> bool:
-            return module is not None and any(p.requires_grad for p in module.parameters())
-
-        attn, mlp = layer.self_attn, layer.mlp
-        names = {"q": attn.q_proj, "k": attn.k_proj, "v": attn.v_proj, "o": attn.o_proj}
-        names |= {"gate": mlp.gate_proj, "up": mlp.up_proj, "down": mlp.down_proj}
-        lora = {n: m.lora_A.out_features for n, m in names.items() if hasattr(m, "lora_A")}
-        flags = {n: trains(m) for n, m in names.items()}
-        return cls(
-            trains(layer.input_layernorm),
-            **flags,
-            norm2=trains(layer.post_attention_layernorm),
-            qk_norm=trains(attn.q_norm),
-            lora=lora,
-        )
-
-
-def _norm_bytes(rows: int, width: int, n: int, grad_in: bool, weight_trains: bool) -> int:
-    """What an RMSNorm keeps: its input and the rsqrt when a gradient flows to its input, the normalised value
-    when its weight trains."""
-    return (rows * width * n + rows * n if grad_in else 0) + (rows * width * n if weight_trains else 0)
-
-
-def layer_activation_bytes(
-    mc: ModelConfig,
-    tokens: int,
-    tp: int,
-    sp: bool,
-    dtypes: dict[str, int],
-    casts: bool = False,
-    g: LayerGrads | None = None,
-    grad_in: bool = True,
-) -> tuple[int, bool]:
-    """(bytes one decoder layer saves for backward for `tokens` tokens (one micro-batch, no recompute), whether its
-    output requires grad). A tensor is saved only when something needs it: a frozen linear keeps no input, a frozen
-    norm no normalised value, and nothing before the first trainable piece keeps anything. `casts`: autocast
-    narrows a wider residual stream, separately for each linear that keeps its input."""
-    g = g or LayerGrads()
-    T, h, f = tokens, mc.hidden_size, mc.ffn_hidden_size
-    heads, kv_heads, hd = mc.num_heads, mc.num_kv_heads, mc.dim_per_head
-    n, a = dtypes["norm"], dtypes["compute"]
-    rows = T // tp if sp else T  # sequence parallel: norms see their sequence shard
-    total = _norm_bytes(rows, h, n, grad_in, g.norm1)
-    readers = sum((g.q, g.k, g.v))  # linears that keep the normalised input (a LoRA linear's A does)
-    total += (readers if casts else min(readers, 1)) * T * h * a
-    total += sum(T * r * a for r in (g.lora or {}).values())  # LoRA A's output, kept by B
-    normed_grad = grad_in or g.norm1
-    q_grad, k_grad, v_grad = normed_grad or g.q, normed_grad or g.k, normed_grad or g.v
-    if mc.use_qk_norm:
-        total += _norm_bytes(T * heads // tp, hd, n, q_grad, g.qk_norm)
-        total += _norm_bytes(T * kv_heads // tp, hd, n, k_grad, g.qk_norm)
-    qkv_grad = q_grad or k_grad or v_grad
-    if qkv_grad:  # attention keeps q and k after rotary, v, its output and the log-sum-exp
-        total += (2 * T * heads * hd + 2 * T * kv_heads * hd) * a // tp + 4 * T * heads // tp
-    elif g.o:
-        total += T * heads * hd * a // tp  # the output projection keeps the attention output
-    mid_grad = qkv_grad or g.o
-    total += _norm_bytes(rows, h, n, mid_grad, g.norm2)
-    readers = sum((g.gate, g.up))
-    total += (readers if casts else min(readers, 1)) * T * h * a
-    mlp_grad = mid_grad or g.norm2 or readers > 0
-    if mlp_grad:
-        total += 3 * T * f * a // tp  # gate output (silu's input), silu's output and up's (the product's inputs)
-    if g.down:
-        total += T * f * a // tp  # the product, the down projection's input
-    return total, mlp_grad or g.down
-
-
-def split_backward_kept_bytes(
-    mc: ModelConfig,
-    tokens: int,
-    tp: int,
-    sp: bool,
-    dtypes: dict[str, int],
-    g: LayerGrads | None = None,
-    grad_in: bool = True,
-    mlp_kept: bool = True,
-) -> int:
-    """Bytes of one layer's saved tensors (no recompute) that outlive its weight-gradient action (W) on a pipeline
-    stage other than the first, under the schedules that split backward (zero bubble, ZBV, DualPipeV). torch's W
-    re-runs only the nodes between the weights and the `intermediates` it kept (torch.distributed.pipelining
-    _backward.stage_backward_weight), freeing the matmuls' inputs and the norms' normalised values; the rest of the
-    graph lives until the step ends: the norms' inputs and rsqrt, attention's q, k, v, output and log-sum-exp, and
-    SwiGLU's element-wise inputs except in the last layer of a stage that sends its output on (measured, torch
-    2.13: bench/planner_vs_measured.py)."""
-    g = g or LayerGrads()
-    T, h, f = tokens, mc.hidden_size, mc.ffn_hidden_size
-    heads, kv_heads, hd = mc.num_heads, mc.num_kv_heads, mc.dim_per_head
-    n, a = dtypes["norm"], dtypes["compute"]
-    rows = T // tp if sp else T
-    total = _norm_bytes(rows, h, n, grad_in, False)
-    normed_grad = grad_in or g.norm1
-    q_grad, k_grad, v_grad = normed_grad or g.q, normed_grad or g.k, normed_grad or g.v
-    if mc.use_qk_norm:
-        total += _norm_bytes(T * heads // tp, hd, n, q_grad, False)
-        total += _norm_bytes(T * kv_heads // tp, hd, n, k_grad, False)
-    qkv_grad = q_grad or k_grad or v_grad
-    if qkv_grad:
-        total += (2 * T * heads * hd + 2 * T * kv_heads * hd) * a // tp + 4 * T * heads // tp
-    mid_grad = qkv_grad or g.o
-    total += _norm_bytes(rows, h, n, mid_grad, False)
-    if mlp_kept and (mid_grad or g.norm2 or g.gate or g.up):
-        total += 3 * T * f * a // tp
-    return total
-
-
-def selective_layer_bytes(
-    mc: ModelConfig, tokens: int, tp: int, sp: bool, a: int, residual: int, lora: dict | None = None
-) -> int:
-    """Bytes a selectively recomputed layer keeps (parallel/recompute.py's policy): its input, every matmul's
-    output, attention's output and log-sum-exp, and the outputs of tensor-parallel collectives."""
-    T, h, f = tokens, mc.hidden_size, mc.ffn_hidden_size
-    q, kv = mc.num_heads * mc.dim_per_head, mc.num_kv_heads * mc.dim_per_head
-    total = T * h * residual // (tp if sp else 1)  # the layer's input
-    total += (T * (q + 2 * kv) + 2 * T * f) * a // tp + 2 * T * h * a  # q, k, v, gate, up; o and down (partial)
-    total += T * q * a // tp + 4 * T * mc.num_heads // tp  # attention output, log-sum-exp
-    if tp > 1:  # all-gathers before attention and MLP + reduce-scatters after (SP), or two all-reduces
-        # SP gathers the norms' outputs, in the residual stream's dtype: autocast casts them later, in the linears
-        total += (2 * T * h * residual + 2 * T * h * a // tp) if sp else 2 * T * h * a
-    outs = {"q": q // tp, "k": kv // tp, "v": kv // tp, "o": h, "gate": f // tp, "up": f // tp, "down": h}
-    total += sum(T * r * a + T * outs[name] * a for name, r in (lora or {}).items())  # LoRA A and B outputs
-    return total
-
-
 def _in_flight(cfg: MeshformerConfig, n_micro: int, pp_rank: int) -> int:
     """Micro-batches whose activations a pipeline rank holds at its peak, by schedule."""
     pc = cfg.parallel_config
@@ -315,6 +184,7 @@ def stage_memory(
     residual = dt["compute"] if gathered_low or not autocast else _size(mc.param_init_type)
     casts = residual > dt["compute"]
     layer_input = T * mc.hidden_size * residual // (tp if sp else 1)
+    shape = ActivationShape(micro_batch, mc.seq_length, tp, sp, dt["norm"], dt["compute"], residual, casts, autocast)
     n_stages = pc.pipeline_stage * _stages_per_rank(cfg)
     largest = 0
     swapped, swap_host = _swapped_layers(cfg, pieces), {}
@@ -323,46 +193,48 @@ def stage_memory(
     # Matmul weight elements of recomputed layers: their autocast copies are not kept but made again in backward,
     # with the layer's activations (the selective policy keeps matmul outputs, not casts).
     recast, casts_kept = 0, autocast and not gathered_low
+    model, counted = activation_model(mc), False
     for s, piece in pieces:
         kept = kept_after_w = 0
         grad = s > 0 or any(p.requires_grad for p in piece.embed_tokens.parameters())
         n_rc, n_sel = _recomputed_layers(cfg, pp_rank, len(piece.layers))
-        styles = resolve_plan(piece, piece.tp_plan()) if dims.tp > 1 and max(n_rc, n_sel) else {}
+        # the resolved plan is not free (a layout search plans hundreds): only for what asks for it
+        wanted = max(n_rc, n_sel) or getattr(model, "needs_styles", True)
+        styles = resolve_plan(piece, _tp_plan(mc, piece)) if dims.tp > 1 and wanted else {}
+        acts = model.piece_activations(mc, piece, shape, grad, s < n_stages - 1, styles)
+        counted = counted or acts.counted
         swap_host[s] = 0
-        for i, (key, layer) in enumerate(piece.layers.items()):
-            g = LayerGrads.of(layer)
-            full, grad_out = layer_activation_bytes(mc, T, tp, sp, dt, casts, g, grad)
+        for i, key in enumerate(piece.layers.keys()):
+            la = acts.layers[key]
+            full = la.saved
             if int(key) in swapped[0]:  # in host memory; backward holds this layer and the prefetched ones
                 swap_host[s] += full
                 largest = max(largest, (1 + swapped[1]) * full)
             elif i < n_rc:  # recomputed: keeps its input; its backward holds the full set again, one layer at a time
-                kept += layer_input if grad or grad_out else 0
+                kept += la.full_recompute
                 recast += (cast := _layer_matmul_elements(piece, key, styles, dims.tp))
                 largest = max(largest, full + cast * dt["compute"] * casts_kept)
                 if kept_after_w is not None:  # the input outlives W; what the recompute makes dies within I
-                    kept_after_w += layer_input if grad or grad_out else 0
+                    kept_after_w += la.full_recompute
             elif i < n_sel:  # selective: keeps the matmul, attention and collective outputs
-                kept += selective_layer_bytes(mc, T, tp, sp, dt["compute"], residual, g.lora)
+                kept += la.selective
                 recast += (cast := _layer_matmul_elements(piece, key, styles, dims.tp))
                 largest = max(largest, full + cast * dt["compute"] * casts_kept)
             else:
                 kept += full
-                last_sender = i == len(piece.layers) - 1 and s < n_stages - 1
                 if kept_after_w is not None:
-                    kept_after_w += split_backward_kept_bytes(mc, T, tp, sp, dt, g, grad, not last_sender)
+                    kept_after_w = None if la.after_w is None else kept_after_w + la.after_w
             if n_rc <= i < n_sel or int(key) in swapped[0]:
                 kept_after_w = None  # selective recompute or swap under a split backward: not modelled (kept whole)
-            grad = grad_out
+            grad = la.grad_out
         if s == n_stages - 1:
-            h = mc.hidden_size
-            head = piece.lm_head if piece.lm_head is not None else piece.embed_tokens
-            head_trains = any(p.requires_grad for p in head.parameters())
-            norm_trains = any(p.requires_grad for p in piece.norm.parameters())
-            kept += _norm_bytes(T // tp if sp else T, h, dt["norm"], grad, norm_trains)
-            kept += T * h * dt["compute"] if head_trains else 0
+            head = acts.head
+            kept += head.saved if head is not None else 0
             kept += T * math.ceil(mc.vocab_size / tp) * _size(mc.softmax_compute_dtype)  # log-softmax
-            if kept_after_w is not None:  # the final norm's input and rsqrt, the log-softmax: not on W's path
-                kept_after_w += _norm_bytes(T // tp if sp else T, h, dt["norm"], grad, False)
+            if kept_after_w is not None:  # the log-softmax is not on W's path; the head's part as its model says
+                head_after_w = head.after_w if head is not None else 0
+                kept_after_w = None if head_after_w is None else kept_after_w + head_after_w
+            if kept_after_w is not None:
                 kept_after_w += T * math.ceil(mc.vocab_size / tp) * _size(mc.softmax_compute_dtype)
         per_stage[s] = kept
         # Every micro-batch's input arrives in a buffer of its own, alive through the step; an in-flight one is
@@ -397,7 +269,26 @@ def stage_memory(
     if casts_kept:
         activations += (matmul - recast) * dt["compute"]  # autocast's low-precision weight copies, one per region
     cache = recast * dt["compute"] if casts_kept else 0
-    return StageMemory(pp_rank, layers, params, grads, optim, activations, k, largest, host, cache)
+    return StageMemory(pp_rank, layers, params, grads, optim, activations, k, largest, host, cache, counted)
+
+
+def activation_model(mc: ModelConfig) -> ActivationModel:
+    """The family's activation model (models/registry.py: ModelFamily.activation_model), or the counter that
+    measures one forward of the real modules on fake tensors where the family has none."""
+    from meshformer.models.registry import family_of
+
+    model = family_of(mc).activation_model
+    if model is None:
+        from meshformer.planner.counted_activations import COUNTED
+
+        return COUNTED
+    return model
+
+
+def _tp_plan(mc: ModelConfig, piece) -> dict[str, str]:
+    from meshformer.models.registry import family_of
+
+    return family_of(mc).tp_plan(piece)
 
 
 def _swapped_layers(cfg: MeshformerConfig, pieces: list) -> tuple[set[int], int]:

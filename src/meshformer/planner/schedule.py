@@ -18,9 +18,12 @@ import torch
 @lru_cache(maxsize=64)
 def rank_actions(schedule: str, pp: int, stages_per_rank: int, n_micro: int, rank: int, stage_ids: tuple[int, ...]):
     """[(kind, stage, micro-batch)] of one pipeline rank, kind in F, B, I, W; None for single-stage schedules."""
-    from torch.distributed.pipelining.schedules import PipelineScheduleMulti, _ComputationType
+    from torch.distributed.pipelining.schedules import PipelineScheduleMulti
 
+    from meshformer.backends.torch_private import pipeline_computation_type
     from meshformer.parallel.pipeline import SCHEDULES
+
+    computation_type = pipeline_computation_type()
 
     cls = SCHEDULES[schedule]
     if not issubclass(cls, PipelineScheduleMulti) and not hasattr(cls, "_load_actions"):
@@ -46,7 +49,7 @@ def rank_actions(schedule: str, pp: int, stages_per_rank: int, n_micro: int, ran
         if action is None:
             continue
         for a in action.sub_actions or (action,):
-            kind = _ComputationType(a.computation_type).value
+            kind = computation_type(a.computation_type).value
             if kind in ("F", "B", "I", "W"):
                 out.append((kind, a.stage_index, a.microbatch_index))
     return out
@@ -55,7 +58,7 @@ def rank_actions(schedule: str, pp: int, stages_per_rank: int, n_micro: int, ran
 def peak_live(actions, per_stage: dict[int, int], after_w: dict[int, int] | None = None) -> tuple[int, int]:
     """(peak bytes, micro-batches live at that peak) replaying `actions` with each stage's bytes per micro-batch;
     `after_w`: what a micro-batch of a stage still holds from its W until the step ends (split backward: torch's
-    weight pass frees only part of the graph, planner/memory.py split_backward_kept_bytes)."""
+    weight pass frees only part of the graph: the family says how much, models/llama/activations.py for Llama)."""
     after_w = after_w or {}
     live = {s: 0 for s in per_stage}
     lingering = {s: 0 for s in per_stage}

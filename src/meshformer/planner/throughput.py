@@ -1,8 +1,9 @@
 """FLOPs, communication and predicted step time of a layout (estimates, with their formulas).
 
-FLOP convention (the trainer's MFU uses the same, train/metrics.py): model FLOPs per token = 6 x non-embedding
-parameters + 12 x layers x heads x head_dim x seq_length (PaLM / torchtitan: the causal attention term is not
-halved). Recompute adds one forward (2/6 of the layer FLOPs) to the hardware's work but not to the model's, so it
+FLOP convention (the trainer's MFU uses the same rule, the model family's flops_per_token, models/registry.py): model
+FLOPs per token = 6 x the parameters that do a matmul per token (all but the input embedding, plus the output
+projection, tied or not) + 12 x layers x heads x head_dim x seq_length (PaLM / torchtitan: the causal attention term
+is not halved). Recompute adds one forward (2/6 of the layer FLOPs) to the hardware's work but not to the model's, so it
 lowers throughput, not MFU's numerator.
 
 Communication per rank and step (ring collectives move 2(n-1)/n of the buffer for an all-reduce, (n-1)/n for an
@@ -24,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from meshformer.config.schema import MeshformerConfig
-from meshformer.models.llama import param_count
+from meshformer.models.registry import family_of
 from meshformer.parallel.dims import ParallelDims
 from meshformer.planner.accelerators import Accelerator
 
@@ -51,10 +52,9 @@ class Throughput:
 
 
 def flops_per_token(cfg: MeshformerConfig) -> float:
+    """The model family's one FLOPs rule (models/registry.py: ModelFamily.flops_per_token)."""
     mc = cfg.model.model_config
-    n = param_count(mc)
-    embedding = mc.vocab_size * mc.hidden_size
-    return 6 * (n - embedding) + 12 * mc.num_layers * mc.num_heads * mc.dim_per_head * mc.seq_length
+    return family_of(mc).flops_per_token(mc)
 
 
 def bubble_fraction(cfg: MeshformerConfig, n_micro: int) -> float:
@@ -106,7 +106,7 @@ def predict(
     t, d = dims.tp, dims.dp
     calls = 4 + (2 if recompute_share(cfg) else 0)
     tp_bytes = calls * layers_per_rank * n_micro * 2 * (t - 1) / t * T * h * a if t > 1 else 0.0
-    local_params = param_count(mc) / (t * dims.pp)
+    local_params = family_of(mc).param_count(mc) / (t * dims.pp)
     if d > 1 and dims.dp_shard > 1:
         gathers = 3 if cfg.recompute_config.parallel_optimizer_comm_recompute else 2
         dp_bytes = (d - 1) / d * local_params * (gathers * a + 4)

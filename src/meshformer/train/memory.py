@@ -142,6 +142,14 @@ class MemoryMeter:
             "optimizer_bytes": tensor_bytes(self.optimizer.state_tensors()),
         }
 
+    # A training hook (train/hooks.py): the step runs its forward/backward under `capture` and calls
+    # `after_update` right after the optimizer step.
+    def step_context(self, step: int | None):
+        return self.capture()
+
+    def after_optimizer_step(self, step: int | None) -> None:
+        self.after_update()
+
     def record(self) -> dict[str, int]:
         """The metrics.jsonl fields of this step."""
         if self.counter is not None:

@@ -1,8 +1,9 @@
 """Throughput, MFU and memory accounting, and the metrics.jsonl log.
 
 MFU = achieved model FLOP/s / peak FLOP/s. Model FLOPs per token follow the PaLM appendix (as Megatron and
-torchtitan do): 6 x (parameters doing matmuls, i.e. all but the input embedding) + 12 x layers x heads x
-head_dim x seq_length for attention scores; recompute is not counted (it is overhead, not model work).
+torchtitan do): 6 x (parameters doing matmuls, i.e. all but the input embedding, plus the output projection tied or
+not) + 12 x layers x heads x head_dim x seq_length for attention scores; recompute is not counted (it is overhead,
+not model work). The rule is the model family's (models/registry.py), shared with the planner.
 """
 
 from __future__ import annotations
@@ -14,15 +15,19 @@ from pathlib import Path
 
 import torch
 
+from meshformer.backends.cpu import cpu_has_bf16
 from meshformer.config.schema import ModelConfig
 
 # Dense bf16 peak FLOP/s per device, from vendor data sheets (used instead of measuring when recognised).
 KNOWN_PEAKS = {"H200": 989.4e12, "H100": 989.4e12, "A100": 312e12, "L40S": 362e12, "A10": 125e12, "4090": 165.2e12}
 
 
-def flops_per_token(mc: ModelConfig, n_params: int, n_embedding: int) -> float:
-    attn = 12 * mc.num_layers * mc.num_heads * mc.dim_per_head * mc.seq_length
-    return 6 * (n_params - n_embedding) + attn
+def flops_per_token(mc: ModelConfig, n_params: int | None = None, n_embedding: int | None = None) -> float:
+    """The model family's one FLOPs rule (models/registry.py), the planner's too. The counts are not used: the
+    rule counts from the config (a tied head's matmul included); they stay in the signature for existing callers."""
+    from meshformer.models.registry import family_of
+
+    return family_of(mc).flops_per_token(mc)
 
 
 def peak_flops(device: torch.device, dtype: torch.dtype, configured: float) -> tuple[float, str]:
@@ -41,11 +46,11 @@ def peak_flops(device: torch.device, dtype: torch.dtype, configured: float) -> t
         return fp32, "measured fp32 (this CPU has no bf16 matmul units)"
     # The best of several large matmuls: sizes from 512 up until one takes ~50 ms, each timed five times; a busy
     # machine slows some runs, never speeds one up, and the fastest size is the hardware's limit for this work.
-    # An fp32 CPU matmul is timed both ways torch can run it, its BLAS and oneDNN (models/cpu_linear.py): on CPUs
+    # An fp32 CPU matmul is timed both ways torch can run it, its BLAS and oneDNN (backends/cpu.py): on CPUs
     # not made by Intel MKL runs AVX2 kernels, and only the faster library shows the hardware's limit.
     fns = [torch.matmul]
     if device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available():
-        from meshformer.models.cpu_linear import onednn_mm
+        from meshformer.backends.cpu import onednn_mm
 
         fns.append(onednn_mm)  # a @ b.T: the same work on square operands
     n, rate = 128, 0.0
@@ -60,16 +65,6 @@ def peak_flops(device: torch.device, dtype: torch.dtype, configured: float) -> t
         if best > 0.05 or n >= 8192:
             return rate or 2 * n**3 / best, "measured"
         n *= 2
-
-
-def cpu_has_bf16() -> bool:
-    """Whether this CPU has bf16 matmul instructions (AVX-512 BF16 or AMX)."""
-    from meshformer.models.cpu_linear import cpu_vendor_and_flags
-
-    _, flags = cpu_vendor_and_flags()
-    if not flags:
-        return True  # unknown: time bf16 itself
-    return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 def _timed_matmul(fn, a: torch.Tensor, b: torch.Tensor, device: torch.device) -> float:

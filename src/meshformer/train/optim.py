@@ -7,6 +7,7 @@ import re
 
 import torch
 
+from meshformer.backends.torch_private import fused_optimizer_devices
 from meshformer.config.schema import MeshformerConfig
 
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
@@ -54,9 +55,7 @@ def use_fused(setting: bool | None, params) -> bool:
     CPU, 14 ms a step against foreach's 43; docs/benchmarks.md)."""
     if setting is not None:
         return setting
-    from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
-
-    supported = _get_fused_kernels_supported_devices()
+    supported = fused_optimizer_devices()
     return bool(params) and all(_local(p).device.type in supported for p in params)
 
 

@@ -8,29 +8,30 @@ validation loss (`evaluate`) live here, and both call them.
 Loss normalisation: every micro-batch's loss is a *sum* over its tokens; the step divides by the global number
 of counted tokens (all data-parallel ranks, all accumulation and pipeline micro-batches) and multiplies by the
 number of ranks the gradient reduction averages over. So loss and gradients are those of one big batch, for
-every layout and every accumulation split.
+every layout and every accumulation split. Auxiliary losses a module reports (models/aux_loss.py) are sums too,
+and get the same scale and the same reductions.
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from collections.abc import Iterable
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
+from meshformer.backends.cpu import apply_cpu_matmul, retain_freed_host_memory
 from meshformer.config.schema import MeshformerConfig
 from meshformer.config.validate import SPLIT_BACKWARD_SCHEDULES
 from meshformer.dtypes import DTYPE
 from meshformer.errors import UserError
 from meshformer.models import build_model, materialize
-from meshformer.models.cpu_linear import apply_cpu_matmul
+from meshformer.models.aux_loss import AuxLossCollector, collect_aux_losses
 from meshformer.models.transforms import ModelTransform, apply_model_transforms
 from meshformer.parallel import ModelParts, ParallelEnv, parallelize
 from meshformer.planner.throughput import flops_per_token
-from meshformer.train.host_memory import retain_freed_host_memory
+from meshformer.train.hooks import Hooks
 from meshformer.train.optim import Optimizers
 
 
@@ -63,8 +64,8 @@ def build_parts(
 ) -> BuiltModel:
     """build_model -> model transforms -> parallelize -> materialize: the one way a run gets its model. `run_tokens`
     (the tokens the whole run trains on) lets `compile: auto` judge whether compiling pays on a CPU. A CPU run also
-    keeps the host memory its steps free (`retain_host_memory`, train/host_memory.py), and its fp32 linears may run
-    on oneDNN (`cpu_matmul`, models/cpu_linear.py)."""
+    keeps the host memory its steps free (`retain_host_memory`, backends/cpu.py), and its fp32 linears may run
+    on oneDNN (`cpu_matmul`, backends/cpu.py)."""
     mc = cfg.model.model_config
     if cfg.retain_host_memory and env.device.type == "cpu":
         retain_freed_host_memory()
@@ -86,6 +87,7 @@ class StepResult:
     grad_norm: float  # global L2 norm before clipping
     tokens: float  # counted (non-ignored) label tokens of the global batch
     skipped: bool = False  # loss or gradient norm not finite: the weights were not updated
+    aux_losses: dict[str, float] = field(default_factory=dict)  # name -> its sum / global tokens (models/aux_loss.py)
 
 
 def train_step(
@@ -98,59 +100,95 @@ def train_step(
     n_micro: int,
     ignore_index: int,
     max_grad_norm: float | None,
-    capture: contextlib.AbstractContextManager | None = None,
-    after_update: Callable[[], None] | None = None,
     documents: torch.Tensor | None = None,
     loss_scale: float = 1.0,
     clock=None,
+    hooks: Hooks | Iterable = (),
+    step: int | None = None,
 ) -> StepResult:
     """Forward/backward over this rank's `n_micro` micro-batches, clip, optimizer step, zero the gradients.
 
     inputs/labels: this rank's rows of the global batch; documents: their document index per position when rows
-    pack several samples (attention and rotary positions stay inside each). `capture` wraps forward/backward (activation
-    measurement); `after_update` runs after the optimizer step while gradients still exist (memory accounting).
+    pack several samples (attention and rotary positions stay inside each). `hooks` (train/hooks.py) run around
+    the forward/backward and before and after the optimizer step, told `step` (metrics.jsonl's number of it);
+    activation and memory measurement (train/memory.py MemoryMeter) is one of them.
     A non-finite loss or gradient norm skips the optimizer step on every rank (the weights and optimizer states
     stay as they were): one bad batch or overflow must not poison the run. `loss_scale` (fp16, train/loss_scale.py)
     multiplies the loss before backward; the gradients are divided by it before the norm and the update.
     `clock` (observe/timing.StepClock) is lapped at the phase boundaries: fwd_bwd, optim (clip, update, zeroing),
     other (the token-count and loss reductions).
     """
+    hooks = hooks if isinstance(hooks, Hooks) else Hooks(hooks)
     lap = clock.lap if clock is not None else lambda phase: None
-    n_tok = env.all_reduce_sum_dp((labels != ignore_index).sum().to(torch.float64))
-    with capture if capture is not None else contextlib.nullcontext():
+    n_tok = env.reduce_sum((labels != ignore_index).sum().to(torch.float64), "loss")
+    with hooks.step_context(step):
         # A device scalar, not a Python float: reading the token count here would make the host wait for the
         # device before the step's first kernel, a stall a GPU pays every step (the loss is read once, at the end).
         scale = (env.grad_average_size * loss_scale / n_tok).to(torch.float32)
         lap("other")
-        loss_sum = parts.forward_backward(inputs, labels, n_micro, scale, documents=documents)
+        with collect_aux_losses(scale) as aux:  # auxiliary losses get the main loss's scale (models/aux_loss.py)
+            micro = hooks.micro_batch_context(step)
+            loss_sum = parts.forward_backward(inputs, labels, n_micro, scale, documents=documents, micro_context=micro)
         lap("fwd_bwd")
     if loss_scale != 1.0:
         parts.scale_grads_(1.0 / loss_scale)
-    loss_t = env.all_reduce_sum_dp(loss_sum.to(torch.float64)) / n_tok
+    loss_t = env.reduce_sum(loss_sum.to(torch.float64), "loss") / n_tok
+    aux_names, aux_t = _reduced_aux_losses(parts, env, aux, n_tok)
     lap("other")
     norm_t = parts.clip_grad_norm_(max_grad_norm)
+    hooks.before_optimizer_step(step)
+    loss, grad_norm, finite = _update(optimizer, env, loss_t, norm_t, lambda: hooks.after_optimizer_step(step))
+    lap("optim")
+    aux_losses = dict(zip(aux_names, aux_t.tolist())) if aux_names else {}  # read after the loss: no wait
+    return StepResult(loss, grad_norm, float(n_tok), skipped=not finite, aux_losses=aux_losses)
+
+
+def _update(optimizer: Optimizers, env: ParallelEnv, loss_t, norm_t, after_update) -> tuple[float, float, bool]:
+    """The optimizer step unless the loss or the norm is not finite; (loss, grad norm, finite), read once."""
     if optimizer.skips_on_device(env.device):
         # Decided on the device: the host queues the update without waiting for backward, and reads the loss and
         # the norm once, after it (a GPU keeps computing meanwhile).
         bad = (~torch.isfinite(loss_t)).to(torch.float32) + (~torch.isfinite(norm_t)).to(torch.float32)
         bad = env.all_reduce_sum_pp(bad)  # the loss exists on the last stage only; the norm is already global
         optimizer.step(found_inf=(bad > 0).to(torch.float32))
-        if after_update is not None:
-            after_update()
+        after_update()
         optimizer.zero_grad(set_to_none=True)
-        loss, grad_norm, finite = loss_t.item(), norm_t.item(), not bad.item()
-    else:  # foreach AdamW or host-offloaded states: the step is skipped on the host
-        loss, grad_norm = loss_t.item(), norm_t.item()
-        finite = math.isfinite(loss) and math.isfinite(grad_norm)
-        if env.pp_size > 1:  # the loss exists on the last stage only; the grad norm is already global
-            finite = env.all_ok(finite)
-        if finite:
-            optimizer.step()
-            if after_update is not None:
-                after_update()
-        optimizer.zero_grad(set_to_none=True)
-    lap("optim")
-    return StepResult(loss, grad_norm, float(n_tok), skipped=not finite)  # n_tok: read after the loss, no wait
+        return loss_t.item(), norm_t.item(), not bad.item()
+    # foreach AdamW or host-offloaded states: the step is skipped on the host
+    loss, grad_norm = loss_t.item(), norm_t.item()
+    finite = math.isfinite(loss) and math.isfinite(grad_norm)
+    if env.pp_size > 1:  # the loss exists on the last stage only; the grad norm is already global
+        finite = env.all_ok(finite)
+    if finite:
+        optimizer.step()
+        after_update()
+    optimizer.zero_grad(set_to_none=True)
+    return loss, grad_norm, finite
+
+
+def _reduced_aux_losses(
+    parts: ModelParts, env: ParallelEnv, aux: AuxLossCollector, n_tok: torch.Tensor
+) -> tuple[list[str], torch.Tensor | None]:
+    """The names reported this step and their sums over the loss mesh and the pipeline stages / global tokens.
+
+    Every rank must reduce the same names in the same order, and a pipeline stage sees only its own layers'
+    names: the ranks agree on the union once, on the first step (models report the same names every step),
+    and a rank that lacks one reduces a zero for it. Nothing is read back here."""
+    if getattr(parts, "aux_loss_names", None) is None:
+        local = sorted(aux.sums)
+        parts.aux_loss_names = sorted({n for names in env.all_gather_object(local) for n in names})
+    names = parts.aux_loss_names
+    if set(aux.sums) - set(names):
+        raise RuntimeError(
+            f"auxiliary losses {sorted(set(aux.sums) - set(names))} were first reported after step one: a model "
+            f"reports the same names on every step (models/aux_loss.py)"
+        )
+    if not names:
+        return [], None
+    zero = torch.zeros((), dtype=torch.float64, device=n_tok.device)
+    sums = torch.stack([aux.sums[n].to(torch.float64) if n in aux.sums else zero for n in names])
+    sums = env.all_reduce_sum_pp(env.reduce_sum(sums, "loss"))
+    return names, sums / n_tok
 
 
 def clip_threshold(cfg: MeshformerConfig) -> float | None:
@@ -196,4 +234,4 @@ def evaluate(
                 total += parts.eval_loss(x, y).to(torch.float64)
         count += (labels != ignore_index).sum()
     parts.train(True)
-    return (env.all_reduce_sum_dp(total) / env.all_reduce_sum_dp(count)).item()
+    return (env.reduce_sum(total, "loss") / env.reduce_sum(count, "loss")).item()

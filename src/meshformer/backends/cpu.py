@@ -1,5 +1,16 @@
-"""fp32 linear layers through oneDNN on CPUs where torch's BLAS takes a slow path.
+"""The CPU backend: the tuning a CPU run gets, kept out of the model, parallel and training code.
 
+- oneDNN linears (`cpu_matmul`): fp32 linear layers through oneDNN on CPUs where torch's BLAS takes a slow path.
+- Host memory (`retain_host_memory`): glibc malloc settings, so the host memory a CPU training step frees stays in
+  the process instead of being page-faulted back every step.
+- CPU features: the vendor and the AVX-512 / AVX-512 BF16 / AMX flags that `cpu_matmul: auto` and MFU's peak
+  (train/metrics.py) go by, read in one place.
+
+The models stay plain nn.Modules: `apply_cpu_matmul` swaps their linears' class at build time. Private torch APIs
+are called through backends/torch_private.py only.
+
+oneDNN linears
+--------------
 torch runs an fp32 `F.linear` on a CPU through its BLAS, MKL. On CPUs not made by Intel MKL dispatches its AVX2
 kernels even where the CPU has AVX-512: on the 2-core AMD EPYC (Zen 5, AVX-512) of docs/benchmarks.md, MKL's sgemm
 runs 160-190 GFLOP/s on the model's shapes where oneDNN's AVX-512 brgemm kernels, which ship inside torch, run
@@ -18,16 +29,44 @@ F.linear, where oneDNN's fixed cost per call outweighs its faster kernel; `onedn
 Results differ from MKL's by the order of accumulation only (a few ulps); the weight-gradient matmul picks which
 operand oneDNN copies to a contiguous layout by size (measured: the smaller one), and small weights keep MKL
 there, where the copy costs more than the kernel saves.
+
+Host memory
+-----------
+A step frees and re-allocates the same activation, gradient and logits buffers every time. glibc's malloc hands
+large blocks back to the kernel: blocks above its mmap threshold are unmapped on free, and the heap's top is
+trimmed once more than its trim threshold lies free there. The next step touches that memory again, and every
+4 KiB page costs a fault and a zero-fill. On the benchmark model (bench/bench_vs_hf.py, bf16) that was 48,000-
+75,000 faults a step; alternating the two settings step by step in one process: 0.842 s against 0.788 s (-6%),
+fp32 2.369 against 2.332 s (docs/benchmarks.md).
+
+What changes, and why no more:
+- the heap's top is never trimmed (`M_TRIM_THRESHOLD` = SIZE_MAX: mallopt's int -1 becomes glibc's size_t), so
+  freed memory stays resident and is reused. The heap stops shrinking between steps but grows no further than a
+  step's peak needs (the benchmark model's peak RSS: 1.21-1.26 GB with and without);
+- the mmap threshold is fixed at 32 MiB, glibc's own ceiling for it (its dynamic threshold climbs there once
+  such blocks are freed): larger blocks come from the retained top when it has room, else they are mapped as
+  before, never by growing the heap;
+- `M_TOP_PAD` (256 MiB) grows the heap in larger steps, so a step's blocks above the threshold (its logits and
+  their gradients) find room in the top instead of being mapped afresh; untouched pad costs no memory.
+Mapping everything from the heap (`M_MMAP_MAX` = 0) also removed the faults, but it is not safe on glibc 2.36:
+torch allocates with 64-byte `posix_memalign`, which asks for 96 bytes more than a freed block of the same size
+holds, so a block freed behind a small live allocation is never reused and the heap grows every step (64 MiB blocks
+freed behind 4 KiB ones: RSS 796 -> 3,996 MiB over 50 rounds; these settings stay flat, the test checks it).
+This is what torch's CPU tuning guide gets from preloading jemalloc or tcmalloc, without another allocator or a
+relaunch. C libraries other than glibc are left alone.
 """
 
 from __future__ import annotations
 
+import ctypes
 import functools
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from meshformer.backends import torch_private
 
 # `cpu_matmul: auto` leaves a linear with fewer multiply-adds per call than this to F.linear: oneDNN's fixed cost
 # per call (about 30 us with autograd) outweighs its faster kernel there (measured on the Zen 5, forward + backward:
@@ -43,7 +82,7 @@ _MIN_DW_ELEMENTS = 256 * 256
 @torch.library.custom_op("meshformer::onednn_mm", mutates_args=())
 def onednn_mm(a: torch.Tensor, b_t: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """a @ b_t.T (+ bias) by oneDNN: a [m, k], b_t [n, k] in any strides (a is copied if not row-major)."""
-    return torch.ops.mkldnn._linear_pointwise(a, b_t, bias, "none", [], "")
+    return torch_private.onednn_linear(a, b_t, bias)
 
 
 @onednn_mm.register_fake
@@ -122,26 +161,14 @@ class OneDNNLinear(nn.Linear):
 
 def use_onednn_linears(model: nn.Module, min_macs: int = 0) -> None:
     """Give every plain nn.Linear of `model` OneDNNLinear's forward, and a tied output projection
-    (`tied_head_linear`, models/llama.py) onednn_linear, in place, for calls of at least `min_macs` multiply-adds."""
+    (`tied_head_linear`, models/llama/model.py) onednn_linear, in place, for calls of at least `min_macs`
+    multiply-adds."""
     for m in model.modules():
         if type(m) is nn.Linear:
             m.__class__ = OneDNNLinear
             m.onednn_min_macs = min_macs
         elif hasattr(m, "tied_head_linear"):
             m.tied_head_linear = functools.partial(onednn_linear, min_macs=min_macs)
-
-
-def cpu_vendor_and_flags() -> tuple[str, set[str]]:
-    """(vendor_id, flags) of /proc/cpuinfo's first processor; ("", set()) where it cannot be read."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return "", set()
-    field = {}
-    for ln in lines:
-        key, _, val = ln.partition(":")
-        field.setdefault(key.strip(), val.strip())
-    return field.get("vendor_id", ""), set(field.get("flags", "").split())
 
 
 def onednn_linear_decision(
@@ -178,3 +205,69 @@ def apply_cpu_matmul(model: nn.Module, setting: str, device: torch.device, compu
     if onednn:
         use_onednn_linears(model, AUTO_MIN_MACS if setting == "auto" else 0)
     return note
+
+
+# ---------------------------------------------------------------- host memory
+
+# <malloc.h>
+M_TRIM_THRESHOLD = -1
+M_TOP_PAD = -2
+M_MMAP_THRESHOLD = -3
+MMAP_THRESHOLD_MAX = 32 << 20  # glibc's DEFAULT_MMAP_THRESHOLD_MAX on 64-bit
+
+RETAINED = ((M_MMAP_THRESHOLD, MMAP_THRESHOLD_MAX), (M_TRIM_THRESHOLD, -1), (M_TOP_PAD, 256 << 20))
+# What a process that never tuned malloc runs with, near enough: glibc's dynamic mmap threshold climbs to the
+# largest mapped block freed (at most 32 MiB), its trim threshold to twice that, and the pad stays 128 KiB. A
+# benchmark sets it for the side that stands for such a process (bench/bench_vs_hf.py's Hugging Face side);
+# switched in one process between steps, it gave 57,000-64,000 faults a bf16 step, untuned processes 48,000-75,000.
+GLIBC_SETTLED = (
+    (M_MMAP_THRESHOLD, MMAP_THRESHOLD_MAX),
+    (M_TRIM_THRESHOLD, 2 * MMAP_THRESHOLD_MAX),
+    (M_TOP_PAD, 128 << 10),
+)
+
+
+def glibc():
+    """The process's C library when it is glibc, else None."""
+    try:
+        libc = ctypes.CDLL(None)
+        libc.gnu_get_libc_version  # noqa: B018 - only glibc has it; musl and macOS give mallopt other meanings
+        return libc
+    except (OSError, AttributeError):
+        return None
+
+
+def set_malloc(settings: tuple[tuple[int, int], ...]) -> bool:
+    """Apply (mallopt parameter, value) pairs; False where the C library is not glibc or refused one."""
+    libc = glibc()
+    return libc is not None and all(libc.mallopt(param, value) == 1 for param, value in settings)
+
+
+@functools.cache
+def retain_freed_host_memory() -> bool:
+    """Tune glibc's malloc for this process (once); False where the C library is not glibc or refused a setting."""
+    return set_malloc(RETAINED)
+
+
+# ---------------------------------------------------------------- CPU features
+
+
+def cpu_vendor_and_flags() -> tuple[str, set[str]]:
+    """(vendor_id, flags) of /proc/cpuinfo's first processor; ("", set()) where it cannot be read."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return "", set()
+    field = {}
+    for ln in lines:
+        key, _, val = ln.partition(":")
+        field.setdefault(key.strip(), val.strip())
+    return field.get("vendor_id", ""), set(field.get("flags", "").split())
+
+
+def cpu_has_bf16() -> bool:
+    """Whether this CPU has bf16 matmul instructions (AVX-512 BF16 or AMX)."""
+    _, flags = cpu_vendor_and_flags()
+    if not flags:
+        return True  # unknown: time bf16 itself
+    return "avx512_bf16" in flags or "amx_bf16" in flags

@@ -1,4 +1,4 @@
-"""Llama-family decoder (Llama 2/3, Qwen2, Qwen3) as plain `nn.Module`s.
+"""Llama-family decoder (Llama 2/3, Qwen2, Qwen3; Mistral without a window) as plain `nn.Module`s.
 
 No parallel code lives here: tensor, pipeline and data parallelism are applied from outside
 (`meshformer.parallel`). Parameter names follow Hugging Face's `LlamaForCausalLM` minus the `model.` prefix,
@@ -217,7 +217,7 @@ class Transformer(nn.Module):
     """Causal LM: tokens -> logits. Any of embed_tokens / norm / lm_head may be removed for pipeline stages."""
 
     # The tied output projection's matmul (F.linear's signature); a kernel choice may replace it on an instance
-    # (models/cpu_linear.py), as it replaces the nn.Linear modules' forward.
+    # (backends/cpu.py), as it replaces the nn.Linear modules' forward.
     tied_head_linear = staticmethod(F.linear)
 
     def __init__(self, mc: ModelConfig):
@@ -254,37 +254,44 @@ class Transformer(nn.Module):
         return h
 
     def tp_plan(self) -> dict[str, str]:
-        """How tensor parallelism splits this family: module-path globs -> style names (parallel/tp.py says what
-        each name does). Megatron's recipe: q/k/v and gate/up column-parallel, o and down row-parallel, so each
-        sub-block needs one reduction; embedding and head split by vocabulary; norms replicated. Modules this
-        piece lacks (a pipeline stage, no q/k norm) are skipped."""
-        layer = {
-            "input_layernorm": "norm",
-            "self_attn": "gather_sequence",  # attention needs every position of the sequence
-            "self_attn.q_proj": "colwise",
-            "self_attn.k_proj": "colwise",
-            "self_attn.v_proj": "colwise",
-            "self_attn.o_proj": "rowwise",
-            "self_attn.q_norm": "head_norm",
-            "self_attn.k_norm": "head_norm",
-            "post_attention_layernorm": "norm",
-            "mlp": "gather_sequence",
-            "mlp.gate_proj": "colwise",
-            "mlp.up_proj": "colwise",
-            "mlp.down_proj": "rowwise",
-        }
-        return {
-            "embed_tokens": "vocab_embedding",
-            # Tied weights: the output projection is F.linear(h, embed_tokens.weight) in forward (see above).
-            "norm": "norm_to_head" if self.config.tie_word_embeddings else "norm",
-            "lm_head": "vocab_head",
-            **{f"layers.*.{path}": style for path, style in layer.items()},
-        }
+        """This model's tensor-parallel plan, as its family in the registry gives it (the planner asks pieces)."""
+        from meshformer.models.registry import family_of
+
+        return family_of(self.config).tp_plan(self)
 
     def new_kv_cache(self, batch: int, max_len: int) -> KVCache:
         p = next(self.parameters())
         mc = self.config
         return KVCache(mc.num_layers, batch, mc.num_kv_heads, max_len, mc.dim_per_head, p.dtype, p.device)
+
+
+def tp_plan(model: nn.Module) -> dict[str, str]:
+    """How tensor parallelism splits this family: module-path globs -> style names (parallel/tp.py says what
+    each name does). Megatron's recipe: q/k/v and gate/up column-parallel, o and down row-parallel, so each
+    sub-block needs one reduction; embedding and head split by vocabulary; norms replicated. Modules this
+    piece lacks (a pipeline stage, no q/k norm) are skipped."""
+    layer = {
+        "input_layernorm": "norm",
+        "self_attn": "gather_sequence",  # attention needs every position of the sequence
+        "self_attn.q_proj": "colwise",
+        "self_attn.k_proj": "colwise",
+        "self_attn.v_proj": "colwise",
+        "self_attn.o_proj": "rowwise",
+        "self_attn.q_norm": "head_norm",
+        "self_attn.k_norm": "head_norm",
+        "post_attention_layernorm": "norm",
+        "mlp": "gather_sequence",
+        "mlp.gate_proj": "colwise",
+        "mlp.up_proj": "colwise",
+        "mlp.down_proj": "rowwise",
+    }
+    return {
+        "embed_tokens": "vocab_embedding",
+        # Tied weights: the output projection is F.linear(h, embed_tokens.weight) in Transformer.forward.
+        "norm": "norm_to_head" if model.config.tie_word_embeddings else "norm",
+        "lm_head": "vocab_head",
+        **{f"layers.*.{path}": style for path, style in layer.items()},
+    }
 
 
 def document_positions(documents: torch.Tensor) -> torch.Tensor:

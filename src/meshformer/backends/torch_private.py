@@ -1,0 +1,136 @@
+"""Every private torch API meshformer calls, each wrapped once, with the torch release it was checked on.
+
+A private name can move or change between releases without notice. Calling it only from here means an upgrade
+breaks one function with a clear name, not a dozen call sites; `tests/test_structure.py` fails if a private torch
+name is used anywhere else under src/. Checked on torch 2.13.0 (CPU build); the GPU paths on the same release.
+"""
+
+from __future__ import annotations
+
+import torch
+
+CHECKED_ON = "2.13.0"
+
+
+def flatten_mesh(mesh, dims: tuple[str, ...], name: str):
+    """The sub-mesh of `dims` flattened into one dimension called `name` (DeviceMesh._flatten, torch 2.13.0).
+
+    torchtitan builds its flattened batch/loss/fsdp meshes the same way; there is no public spelling yet."""
+    sub = mesh[dims[0]] if len(dims) == 1 else mesh[dims]
+    return sub._flatten(name)
+
+
+def foreach_mul_(tensors: list[torch.Tensor], factor) -> None:
+    """tensors[i] *= factor in one multi-tensor kernel (torch._foreach_mul_, torch 2.13.0)."""
+    torch._foreach_mul_(tensors, factor)
+
+
+def replicate_with_fsdp():
+    """FSDP2's replicate (DDP on the FSDP2 machinery: mixed precision, DTensor gradients), from
+    torch.distributed._composable.replicate_with_fsdp (torch 2.13.0)."""
+    from torch.distributed._composable.replicate_with_fsdp import replicate
+
+    return replicate
+
+
+def fused_optimizer_devices() -> list[str]:
+    """Device types that have torch's fused AdamW kernel (torch.utils._foreach_utils, torch 2.13.0)."""
+    from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
+
+    return list(_get_fused_kernels_supported_devices())
+
+
+def fake_tensor_mode():
+    """FakeTensorMode (torch._subclasses.fake_tensor, torch 2.13.0): tensors with shapes, dtypes and devices but
+    no storage, so a model of any size is built and counted in milliseconds."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    return FakeTensorMode
+
+
+def fake_store():
+    """The store of the `fake` process-group backend (torch.testing._internal.distributed.fake_pg, torch 2.13.0):
+    a world of any size in one process, collectives that do nothing."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    return FakeStore
+
+
+def onednn_linear(a: torch.Tensor, b_t: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """a @ b_t.T (+ bias) by oneDNN (torch.ops.mkldnn._linear_pointwise, torch 2.13.0)."""
+    return torch.ops.mkldnn._linear_pointwise(a, b_t, bias, "none", [], "")
+
+
+def functional_collective_ops() -> list:
+    """The functional collectives' ops (torch.ops._c10d_functional, torch 2.13.0) whose outputs selective
+    recompute keeps rather than communicating again."""
+    ns = getattr(torch.ops, "_c10d_functional", None)
+    names = ("all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor", "all_to_all_single")
+    return [getattr(ns, n) for n in names if ns is not None and hasattr(ns, n)]
+
+
+def attention_kernel_ops() -> list:
+    """The aten ops behind F.scaled_dot_product_attention's kernels (torch.ops.aten._scaled_dot_product_*, torch
+    2.13.0): the flash (CUDA and CPU), memory-efficient and cuDNN kernels, whose outputs selective recompute keeps."""
+    aten = torch.ops.aten
+    return [
+        aten._scaled_dot_product_flash_attention,
+        aten._scaled_dot_product_flash_attention_for_cpu,
+        aten._scaled_dot_product_efficient_attention,
+        aten._scaled_dot_product_cudnn_attention,
+    ]
+
+
+def checkpoint_wrapper(module: torch.nn.Module, **kwargs) -> torch.nn.Module:
+    """`module` under non-reentrant activation checkpointing; inside a model its parameter names gain
+    `_checkpoint_wrapped_module.` (torch.distributed.algorithms._checkpoint.checkpoint_wrapper, torch 2.13.0;
+    torchtitan wraps its layers the same way)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper as wrap
+
+    return wrap(module, **kwargs)
+
+
+def is_checkpoint_wrapped(module: torch.nn.Module) -> bool:
+    """Whether `module` is one `checkpoint_wrapper` returned (its CheckpointWrapper class, torch 2.13.0)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+
+    return isinstance(module, CheckpointWrapper)
+
+
+def tree_leaves(tree) -> list:
+    """The leaves of a nested tuple / list / dict (torch.utils._pytree.tree_leaves, torch 2.13.0: no public
+    pytree module yet)."""
+    from torch.utils import _pytree
+
+    return _pytree.tree_leaves(tree)
+
+
+def record_cuda_memory_history(max_entries: int | None) -> None:
+    """Start recording CUDA allocations for a memory snapshot, `max_entries` at most; None stops recording
+    (torch.cuda.memory._record_memory_history, torch 2.13.0: the documented way, still underscored)."""
+    if max_entries is None:
+        torch.cuda.memory._record_memory_history(enabled=None)
+    else:
+        torch.cuda.memory._record_memory_history(max_entries=max_entries)
+
+
+def dump_cuda_memory_snapshot(path: str) -> None:
+    """Write the recorded CUDA memory history to `path`, for pytorch.org/memory_viz
+    (torch.cuda.memory._dump_snapshot, torch 2.13.0)."""
+    torch.cuda.memory._dump_snapshot(path)
+
+
+def pipeline_batch_p2p():
+    """(sorted_batch_p2p, wait_batch_p2p): a pipeline stage's send/recv ops issued in one batch, and the wait for
+    them (torch.distributed.pipelining.schedules._sorted_batch_p2p / _wait_batch_p2p, torch 2.13.0)."""
+    from torch.distributed.pipelining.schedules import _sorted_batch_p2p, _wait_batch_p2p
+
+    return _sorted_batch_p2p, _wait_batch_p2p
+
+
+def pipeline_computation_type():
+    """The enum of a pipeline schedule's action kinds, F, B, I, W, ... (torch.distributed.pipelining.schedules.
+    _ComputationType, torch 2.13.0)."""
+    from torch.distributed.pipelining.schedules import _ComputationType
+
+    return _ComputationType

@@ -1,0 +1,73 @@
+"""Dataset formats by `data_loader.type`: one opener per format, registered here or by any module at run time.
+
+An opener is `open_fn(data_loader_cfg, split, seq_length, field) -> Dataset` (data/protocol.py): `field` is the
+dotted name of the data_loader section, for its one-line errors (`f"{field}.dataset_dir"`). The trainer builds
+batches from `sample(i)` alone, so a new format needs nothing else. The schema's `data_loader.type` accepts every
+name registered when the config is read (config/schema.py RegisteredNames).
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from meshformer.data.dataset import open_dataset
+from meshformer.data.protocol import Dataset
+from meshformer.errors import UserError
+
+OpenFn = Callable[[Any, str, int, str], Dataset]
+_FORMATS: dict[str, OpenFn] = {}
+
+
+def register_dataset_format(type_name: str, open_fn: OpenFn) -> None:
+    """Make `data_loader.type: type_name` open datasets with `open_fn`; registering a name again replaces it."""
+    _FORMATS[type_name] = open_fn
+
+
+def unregister_dataset_format(type_name: str) -> None:
+    _FORMATS.pop(type_name, None)
+
+
+def dataset_formats() -> list[str]:
+    return sorted(_FORMATS)
+
+
+def open_dataset_for(data_loader_cfg, split: str, seq_length: int, field: str) -> Dataset:
+    """The `split` of the dataset `data_loader_cfg` describes, as samples of seq_length + 1 tokens."""
+    open_fn = _FORMATS.get(data_loader_cfg.type)
+    if open_fn is None:  # the config loader checks the name; a config built in code may not have been
+        guess = difflib.get_close_matches(data_loader_cfg.type, list(_FORMATS), n=1)
+        hint = f"did you mean {guess[0]!r}? " if guess else ""
+        raise UserError(
+            f"{field}.type={data_loader_cfg.type!r} is not a dataset format: {hint}choose one of "
+            f"{', '.join(dataset_formats())}"
+        )
+    ds = open_fn(data_loader_cfg, split, seq_length, field)
+    _check_first_sample(ds, data_loader_cfg.type, seq_length, field)
+    return ds
+
+
+def _check_first_sample(ds: Dataset, type_name: str, seq_length: int, field: str) -> None:
+    """A format's samples have the protocol's shapes and dtypes: one line naming the format, not a stack error."""
+    if len(ds) < 1:
+        raise UserError(f"{field}: the {type_name} dataset has no samples: add data or lower seq_length")
+    s, n = ds.sample(0), seq_length + 1
+    for name, t, dtype in (("tokens", s.tokens, torch.int64), ("loss_mask", s.loss_mask, torch.bool)):
+        if t is not None and (t.dtype != dtype or tuple(t.shape) != (n,)):
+            raise UserError(
+                f"{field}: {type_name} sample(0).{name} is {t.dtype} {list(t.shape)}, not {dtype} [{n}] "
+                f"(seq_length + 1): the format's opener must cut samples to model.model_config.seq_length + 1"
+            )
+    if s.documents is not None and (s.documents.dtype != torch.int64 or tuple(s.documents.shape) != (n,)):
+        raise UserError(f"{field}: {type_name} sample(0).documents is not int64 [{n}]: fix the format's opener")
+
+
+def _open_mind_dataset(dl, split: str, seq_length: int, field: str) -> Dataset:
+    """meshformer's own directories (`meshformer preprocess`): packed text or instruction samples."""
+    return open_dataset(dl.dataset_dir, split, seq_length, f"{field}.dataset_dir", dl.packing)
+
+
+register_dataset_format("MindDataset", _open_mind_dataset)

@@ -1,0 +1,195 @@
+"""The Llama family's Hugging Face `config.json` <-> `model.model_config`: Llama 2/3/3.1, SmolLM2, Qwen2/2.5, Qwen3,
+and Mistral without a sliding window (imported and exported as Llama).
+
+Both spellings of rotary settings are read: `rope_theta` + `rope_scaling` (hub files, transformers 4) and
+`rope_parameters` (transformers 5). What meshformer's model cannot represent (biases on o_proj or the MLP,
+sliding-window attention, other rope scalings, other activations) is refused in one line naming the key, never
+silently dropped: a converted model that computes something else is worse than no conversion.
+"""
+
+from __future__ import annotations
+
+from meshformer.config.schema import ModelConfig
+from meshformer.errors import UserError
+
+# Hugging Face model_type -> (our family type, architecture class name, that class's tie_word_embeddings default)
+CONFIG_TYPES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", False),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", False),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", False),
+}
+
+# Families whose transformers code is Llama's under another name, once the one feature each adds is off: imported
+# as Llama (and exported as Llama, which every tool reads). Mistral is LlamaAttention plus a sliding window
+# (transformers' modular_mistral.py: "main diff with Llama"); with no window, or one at least as long as the
+# context the model is made for, its attention is plain causal attention and the model is Llama's.
+# model_type -> (architecture class name, the config key that must be off, is it off?)
+SAME_AS_LLAMA = {
+    "mistral": (
+        "MistralForCausalLM",
+        "sliding_window",
+        lambda hf: (
+            hf.get("sliding_window") is None
+            or (
+                isinstance(hf.get("sliding_window"), int)
+                and isinstance(hf.get("max_position_embeddings"), int)
+                and hf["sliding_window"] >= hf["max_position_embeddings"]
+            )
+        ),
+    ),
+}
+ARCHITECTURES = {
+    **{arch: model_type for model_type, (_, arch, _) in CONFIG_TYPES.items()},
+    **{arch: model_type for model_type, (arch, _, _) in SAME_AS_LLAMA.items()},
+}
+# What the registry matches a config.json by: model_type -> architecture class name
+HF_MODEL_TYPES = {model_type: arch for arch, model_type in ARCHITECTURES.items()}
+
+
+def model_type_of(hf: dict, where: str) -> str:
+    """The model_type of one of this family's config.json files (the registry found the family by the same keys)."""
+    for arch in hf.get("architectures") or []:
+        if arch in ARCHITECTURES:
+            return ARCHITECTURES[arch]
+    if hf.get("model_type") in HF_MODEL_TYPES:
+        return hf["model_type"]
+    raise UserError(f"{where}: not a Llama-, Mistral-, Qwen2- or Qwen3-family config.json")
+
+
+def _rope(hf: dict, where: str) -> tuple[float, dict]:
+    """(theta, our rope_scaling section) from either spelling."""
+    params = hf.get("rope_parameters") or {}
+    scaling = hf.get("rope_scaling") or {}
+    theta = hf.get("rope_theta", params.get("rope_theta", 10000.0))
+    spec = scaling or params
+    kind = spec.get("rope_type", spec.get("type", "default")) if spec else "default"
+    if kind in ("default", None):
+        return float(theta), {"type": "none"}
+    if kind != "llama3":
+        raise UserError(
+            f"{where}: rope scaling {kind!r} is not supported (default and llama3 are): meshformer would compute "
+            f"other positions than the original model"
+        )
+    keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+    missing = [k for k in keys if k not in spec]
+    if missing:
+        raise UserError(f"{where}: llama3 rope scaling lacks {', '.join(missing)}")
+    return float(theta), {"type": "llama3", **{k: spec[k] for k in keys}}
+
+
+def _refuse_unsupported(hf: dict, model_type: str, where: str) -> None:
+    act = hf.get("hidden_act", hf.get("hidden_activation", "silu"))
+    problems = {
+        "hidden_act": (act != "silu", f"{act!r} (meshformer's MLP is SwiGLU with silu)"),
+        "attention_bias": (
+            bool(hf.get("attention_bias")) and model_type != "qwen2",
+            "true (a bias on o_proj as well as q/k/v)",
+        ),
+        "mlp_bias": (bool(hf.get("mlp_bias")), "true"),
+        "use_sliding_window": (bool(hf.get("use_sliding_window")), "true (sliding-window attention)"),
+    }
+    for key, (bad, what) in problems.items():
+        if bad:
+            raise UserError(f"{where}: {key} {what} is not supported by meshformer's model")
+
+
+def _as_llama(hf: dict, model_type: str, where: str) -> str:
+    """A family in SAME_AS_LLAMA -> "llama" once its own feature is checked to be off; other families unchanged."""
+    if model_type not in SAME_AS_LLAMA:
+        return model_type
+    _, key, is_off = SAME_AS_LLAMA[model_type]
+    if not is_off(hf):
+        raise UserError(
+            f"{where}: {key}={hf.get(key)!r} (sliding-window attention) is not supported by meshformer's model: "
+            f"only a {model_type} model with {key} null (or at least max_position_embeddings="
+            f"{hf.get('max_position_embeddings')}) is the Llama model it imports as"
+        )
+    return "llama"
+
+
+def config_from_hf(hf: dict, where: str = "config.json") -> dict:
+    """The `model.model_config` fields (a dict for the config loader) of a Hugging Face config.json."""
+    model_type = _as_llama(hf, model_type_of(hf, where), where)
+    family, _, tied_default = CONFIG_TYPES[model_type]
+    _refuse_unsupported(hf, model_type, where)
+    required = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
+    missing = [k for k in required if not isinstance(hf.get(k), int)]
+    if missing:
+        raise UserError(f"{where}: {', '.join(missing)} missing or not an integer")
+    theta, scaling = _rope(hf, where)
+    heads = hf["num_attention_heads"]
+    fields = {
+        "type": family,
+        "hidden_size": hf["hidden_size"],
+        "num_layers": hf["num_hidden_layers"],
+        "num_heads": heads,
+        "n_kv_heads": hf.get("num_key_value_heads") or heads,
+        "head_dim": hf.get("head_dim") or hf["hidden_size"] // heads,
+        "intermediate_size": hf["intermediate_size"],
+        "vocab_size": hf["vocab_size"],
+        "rms_norm_eps": float(hf.get("rms_norm_eps", 1e-6)),
+        "theta": theta,
+        "rope_scaling": scaling,
+        "tie_word_embeddings": bool(hf.get("tie_word_embeddings", tied_default)),
+        "qkv_has_bias": model_type == "qwen2",
+        "use_qk_norm": model_type == "qwen3",
+    }
+    if isinstance(hf.get("max_position_embeddings"), int):
+        fields["max_position_embedding"] = hf["max_position_embeddings"]
+        fields["seq_length"] = min(hf["max_position_embeddings"], 4096)  # a training default, not a limit
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        value = hf.get(key)
+        if isinstance(value, list):  # Llama 3.1 Instruct lists several end tokens; the first is the usual EOS
+            value = value[0] if value else None
+        if isinstance(value, int):
+            fields[key] = value
+    return fields
+
+
+def config_to_hf(mc: ModelConfig, dtype: str) -> dict:
+    """A config.json that `transformers` reads back as the same model (written in the rope_scaling spelling, which
+    transformers 4 and 5 both understand)."""
+    model_type = {family: mt for mt, (family, _, _) in CONFIG_TYPES.items()}[mc.type]
+    if mc.qkv_has_bias != (model_type == "qwen2") or mc.use_qk_norm != (model_type == "qwen3"):
+        raise UserError(
+            f"model_config: type {mc.type} with qkv_has_bias={mc.qkv_has_bias}, use_qk_norm={mc.use_qk_norm} has no "
+            f"Hugging Face architecture (Llama: neither, Qwen2: q/k/v bias, Qwen3: q/k norm)"
+        )
+    rs = mc.rope_scaling
+    scaling = None
+    if rs.type == "llama3":
+        scaling = {
+            "rope_type": "llama3",
+            "factor": rs.factor,
+            "low_freq_factor": rs.low_freq_factor,
+            "high_freq_factor": rs.high_freq_factor,
+            "original_max_position_embeddings": rs.original_max_position_embeddings,
+        }
+    hf = {
+        "architectures": [CONFIG_TYPES[model_type][1]],
+        "model_type": model_type,
+        "hidden_size": mc.hidden_size,
+        "intermediate_size": mc.ffn_hidden_size,
+        "num_hidden_layers": mc.num_layers,
+        "num_attention_heads": mc.num_heads,
+        "num_key_value_heads": mc.num_kv_heads,
+        "head_dim": mc.dim_per_head,
+        "hidden_act": "silu",
+        "rms_norm_eps": mc.rms_norm_eps,
+        "rope_theta": mc.theta,
+        "rope_scaling": scaling,
+        "max_position_embeddings": mc.max_position_embedding or mc.seq_length,
+        "vocab_size": mc.vocab_size,
+        "tie_word_embeddings": mc.tie_word_embeddings,
+        "bos_token_id": mc.bos_token_id,
+        "eos_token_id": mc.eos_token_id,
+        "pad_token_id": mc.pad_token_id,
+        "torch_dtype": dtype,
+    }
+    if model_type == "llama":
+        hf.update(attention_bias=False, mlp_bias=False)
+    if model_type == "qwen2":
+        hf.update(use_sliding_window=False, sliding_window=None)
+    if model_type == "qwen3":
+        hf.update(attention_bias=False)
+    return hf

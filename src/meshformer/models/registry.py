@@ -1,0 +1,167 @@
+"""Model families: everything that makes one architecture, in one spec the rest of meshformer asks.
+
+A family is one folder under models/ (the modules, its config.json mapping, its GGUF names) plus one
+`register_family` call; the trainer, the planner, the converters and generation look the family up by the
+config's `model_config.type` (`family_of`) or by a Hugging Face config.json (`family_for_hf`) and never name an
+architecture themselves. Families are registered when `meshformer.models` is imported.
+
+The model a family builds is a plain nn.Module with `.config`, `layers` (a ModuleDict keyed by the global layer
+index) and, for pipeline splitting, optional `embed_tokens` / `norm` / `lm_head` (docs/design.md, Seams).
+Parameter names are the Hugging Face names minus what `to_hf` adds, so conversion is a renaming.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from meshformer.config.schema import MODEL_TYPES
+from meshformer.errors import UserError
+
+HF_HEAD = "lm_head.weight"  # every *ForCausalLM's output projection, outside the `model.` body
+
+
+def hf_prefixed(name: str) -> str:
+    """Hugging Face's name of a parameter of a `*ForCausalLM` whose body is `model.`: the head stays as it is."""
+    return name if name == HF_HEAD else f"model.{name}"
+
+
+def hf_unprefixed(name: str) -> str | None:
+    """Our name of a Hugging Face parameter (the inverse of `hf_prefixed`); None for what is no parameter of ours
+    (old checkpoints' rotary `inv_freq` buffers: meshformer computes them)."""
+    if name.endswith("rotary_emb.inv_freq"):
+        return None
+    return name if name == HF_HEAD else name.removeprefix("model.")
+
+
+@dataclass(frozen=True)
+class GgufArch:
+    """How llama.cpp names one GGUF architecture of a family: `general.architecture` -> these tables."""
+
+    hf_class: str  # the Hugging Face architecture class the file is read back as
+    model_type: str
+    global_names: dict[str, str]  # llama.cpp name -> Hugging Face name (embedding, final norm, head)
+    layer_parts: dict[str, str]  # the part of `blk.N.<part>` -> the part of `model.layers.N.<part>`
+    # llama.cpp's converter interleaves the rotary halves of q/k rows for this architecture (GPT-J style rotary)
+    permute_rotary: bool = False
+
+
+@dataclass(frozen=True)
+class ModelFamily:
+    name: str
+    config_types: tuple[str, ...]  # the `model_config.type` values this family builds
+    hf_model_types: dict[str, str]  # Hugging Face model_type -> architecture class name, both ways of conversion
+    build: Callable  # (ModelConfig) -> nn.Module, called under torch.device("meta")
+    tp_plan: Callable  # (model or pipeline piece) -> {module-path glob: style name} (parallel/tp.py)
+    param_count: Callable  # (ModelConfig) -> parameters of the whole model, nothing built
+    config_from_hf: Callable  # (config.json dict, where) -> `model_config` fields (a dict for the loader)
+    config_to_hf: Callable  # (ModelConfig, dtype name) -> a config.json transformers reads as the same model
+    to_hf: Callable = hf_prefixed  # our parameter name -> Hugging Face's
+    from_hf: Callable = hf_unprefixed  # Hugging Face's -> ours, or None to skip the tensor
+    gguf_names: dict[str, GgufArch] = field(default_factory=dict)  # GGUF architecture -> its names
+    # The planner's per-layer activation count; None: planner/memory.py counts on the real (meta) modules.
+    activation_model: object | None = None
+
+    def flops_per_token(self, mc) -> float:
+        """Model FLOPs per token (PaLM's appendix, as Megatron and torchtitan count them; the MFU convention):
+        6 x every parameter that does a matmul per token (all but the input embedding, which is a lookup, plus the
+        output projection, tied to that embedding or not) + 12 x layers x heads x head_dim x seq_length for the
+        attention scores (not halved for causality). Recompute is overhead, not model work: not counted."""
+        embedding = mc.vocab_size * mc.hidden_size
+        head = embedding if mc.tie_word_embeddings else 0  # an untied head is in param_count already
+        matmul = self.param_count(mc) - embedding + head
+        return 6 * matmul + 12 * mc.num_layers * mc.num_heads * mc.dim_per_head * mc.seq_length
+
+
+_FAMILIES: dict[str, ModelFamily] = {}
+
+
+def register_family(family: ModelFamily) -> ModelFamily:
+    """Add a family; its config types, Hugging Face architectures and GGUF names must be new."""
+    for other in _FAMILIES.values():
+        clash = (
+            set(family.config_types) & set(other.config_types)
+            or set(family.hf_model_types) & set(other.hf_model_types)
+            or set(family.hf_model_types.values()) & set(other.hf_model_types.values())
+            or set(family.gguf_names) & set(other.gguf_names)
+        )
+        if family.name == other.name or clash:
+            raise ValueError(f"model family {family.name!r} clashes with {other.name!r} ({clash or 'same name'})")
+    _FAMILIES[family.name] = family
+    MODEL_TYPES.add(family.config_types)
+    return family
+
+
+def unregister_family(name: str) -> None:
+    gone = _FAMILIES.pop(name, None)
+    if gone is not None:
+        MODEL_TYPES.discard(gone.config_types)
+
+
+def families() -> list[ModelFamily]:
+    _ensure_builtin()
+    return list(_FAMILIES.values())
+
+
+def config_types() -> list[str]:
+    """Every `model_config.type` a registered family builds (the schema's choices)."""
+    return [t for f in families() for t in f.config_types]
+
+
+def family_of(mc) -> ModelFamily:
+    """The family of a ModelConfig (by `mc.type`), or one line naming the field and the known types."""
+    for f in families():
+        if mc.type in f.config_types:
+            return f
+    known = config_types()
+    guess = difflib.get_close_matches(str(mc.type), known, n=1)
+    hint = f"did you mean {guess[0]!r}? " if guess else ""
+    raise UserError(
+        f"model.model_config.type={mc.type!r} is not a model family: {hint}choose one of {', '.join(known)}"
+    )
+
+
+def family_for_hf(hf: dict, where: str) -> tuple[ModelFamily, str]:
+    """(family, Hugging Face model_type) of a config.json: by its `architectures`, or its `model_type` when it
+    names none; one line listing what is supported otherwise."""
+    by_class = {arch: (f, mt) for f in families() for mt, arch in f.hf_model_types.items()}
+    archs = hf.get("architectures") or []
+    for arch in archs:
+        if arch in by_class:
+            return by_class[arch]
+    by_type = {mt: (f, mt) for f in families() for mt in f.hf_model_types}
+    if not archs and hf.get("model_type") in by_type:
+        return by_type[hf["model_type"]]
+    named = archs[0] if archs else hf.get("model_type", "none given")
+    raise UserError(
+        f"{where}: architecture {named!r} is not supported (supported: {', '.join(by_class)}); "
+        f"convert a model of one of these families"
+    )
+
+
+def family_for_gguf(arch: str) -> tuple[ModelFamily, GgufArch] | None:
+    """(family, its names) of a GGUF `general.architecture`, or None."""
+    for f in families():
+        if arch in f.gguf_names:
+            return f, f.gguf_names[arch]
+    return None
+
+
+def family_for_hf_class(hf_class: str) -> tuple[ModelFamily, str] | None:
+    """(family, GGUF architecture) whose GGUF tables read back as Hugging Face class `hf_class`, or None."""
+    for f in families():
+        for arch, names in f.gguf_names.items():
+            if names.hf_class == hf_class:
+                return f, arch
+    return None
+
+
+def gguf_architectures() -> list[str]:
+    return [arch for f in families() for arch in f.gguf_names]
+
+
+def _ensure_builtin() -> None:
+    """The built-in families register themselves on `import meshformer.models`; a caller that reached the
+    registry module directly gets them too."""
+    import meshformer.models  # noqa: F401

@@ -1,0 +1,56 @@
+"""The trainer's evaluation component: the validation loss on its schedule, and early stopping on it.
+
+`eval_config.eval_interval` steps apart, and after the last step with `do_eval`; each evaluation runs train/step.py's
+`evaluate` (the parity suite's too) over the first `eval_iters` validation batches, a fixed order, so the losses
+compare across steps. Early stopping's best loss and count are its part of trainer_state.json.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from meshformer.config.schema import MeshformerConfig
+from meshformer.parallel import ModelParts, ParallelEnv
+from meshformer.train.data import TrainingData
+from meshformer.train.early_stop import EarlyStopping
+from meshformer.train.step import evaluate
+
+
+class Evaluation:
+    def __init__(self, cfg: MeshformerConfig, env: ParallelEnv, data: TrainingData, log: Callable[[str], None]):
+        self.cfg, self.env, self.data, self.log = cfg, env, data, log
+        self.early = EarlyStopping(cfg.runner_config.early_stopping_patience)
+
+    def state_dict(self) -> dict:
+        return self.early.state()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.early = EarlyStopping(self.cfg.runner_config.early_stopping_patience, state)
+
+    def due(self, done: int) -> bool:
+        every = self.cfg.eval_config.eval_interval
+        return (every > 0 and done % every == 0) or (self.cfg.do_eval and done == self.data.total_steps)
+
+    def evaluate(self, parts: ModelParts) -> float:
+        """Mean token loss over eval_iters validation batches (fixed order, so comparable across steps)."""
+        batches = self.data.eval_iter(self.cfg.eval_config.eval_iters)
+        ignore = self.cfg.model.model_config.ignore_token_id
+        return evaluate(parts, self.env, batches, self.data.eval_micro_batch, ignore)
+
+    def after_step(self, done: int, parts: ModelParts, rec: dict) -> bool:
+        """Evaluate when due (into rec["eval_loss"]); True when that is the best loss so far and early stopping
+        is on (the trainer then saves a checkpoint marked best)."""
+        if self.data.eval_ds is None or not self.due(done):
+            return False
+        rec["eval_loss"] = self.evaluate(parts)
+        return self.early.update(rec["eval_loss"]) and self.early.enabled
+
+    def should_stop(self, done: int) -> bool:
+        """Early stopping's patience ran out (said on the console)."""
+        if not self.early.should_stop:
+            return False
+        self.log(
+            f"early stopping after step {done}: no better validation loss in {self.early.patience} "
+            f"evaluations (best {self.early.best:.4f}, kept in the checkpoint marked best)"
+        )
+        return True
