@@ -27,6 +27,7 @@ import math
 from dataclasses import dataclass
 
 from meshformer.config.schema import MeshformerConfig
+from meshformer.models.registry import family_of
 from meshformer.parallel.dims import ParallelDims
 from meshformer.planner.accelerators import Accelerator
 from meshformer.planner.memory import StageMemory, plan_memory
@@ -147,6 +148,7 @@ _V = ("zbv_zero_bubble", "dualpipev")  # V schedules: rank 0 also holds the last
 
 
 def _layer_param_count(mc) -> int:
-    h, f = mc.hidden_size, mc.ffn_hidden_size
-    q, kv = mc.num_heads * mc.dim_per_head, mc.num_kv_heads * mc.dim_per_head
-    return h * q + 2 * h * kv + q * h + 3 * h * f + 2 * h
+    """Parameters of one decoder layer, from the family's own count (the model with two layers minus with one), so
+    it holds for any registered family."""
+    count = family_of(mc).param_count
+    return count(dataclasses.replace(mc, num_layers=2)) - count(dataclasses.replace(mc, num_layers=1))
