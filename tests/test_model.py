@@ -12,7 +12,7 @@ import copy
 import pytest
 import torch
 
-from meshformer.config.schema import ModelConfig, RopeScalingConfig
+from meshformer.config.model_schema import ModelConfig, RopeScalingConfig
 from meshformer.models import build_model, create_model, materialize, num_params
 from meshformer.models.llama import RMSNorm, apply_rotary, rope_cos_sin, rope_inv_freq
 

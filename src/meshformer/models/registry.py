@@ -16,7 +16,7 @@ import difflib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from meshformer.config.schema import MODEL_TYPES
+from meshformer.config.fields import MODEL_TYPES
 from meshformer.errors import UserError
 
 HF_HEAD = "lm_head.weight"  # every *ForCausalLM's output projection, outside the `model.` body

@@ -20,7 +20,8 @@ from pathlib import Path
 
 from torch import Tensor
 
-from meshformer.config.schema import DataLoaderConfig, MeshformerConfig
+from meshformer.config.data_schema import DataLoaderConfig
+from meshformer.config.schema import MeshformerConfig
 from meshformer.data.dataset import GlobalBatches, SampleOrder, pinned, to_device
 from meshformer.data.prefetch import Prefetcher
 from meshformer.data.protocol import check_same_data, check_tokenizer

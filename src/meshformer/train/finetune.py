@@ -13,7 +13,8 @@ from pathlib import Path
 import yaml
 
 from meshformer.config.load import from_dict, load_yaml_text
-from meshformer.config.schema import MeshformerConfig, ModelConfig, RopeScalingConfig
+from meshformer.config.model_schema import ModelConfig, RopeScalingConfig
+from meshformer.config.schema import MeshformerConfig
 from meshformer.errors import UserError
 
 SHAPE_FIELDS = (
