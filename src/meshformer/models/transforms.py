@@ -1,16 +1,15 @@
 """Model transforms: changes to the plain model after `build_model` and before `parallelize`, in one order.
 
-A transform rewrites the meta-device model in place: wraps layers (LoRA), replaces them (MoE), fuses
-projections, or freezes parameters. Running them before parallelism is what lets every transform compose with
-every layout: pipeline splitting, the tensor-parallel plan (a wrapper declares `tp_subplan`, see parallel/tp.py),
-recompute and FSDP all see the transformed model and need no transform-specific code.
+A transform rewrites the meta-device model in place: it wraps layers (LoRA) or freezes parameters. Running them
+before parallelism is what lets every transform compose with every layout: pipeline splitting, the
+tensor-parallel plan (a wrapper declares `tp_subplan`, see parallel/tp.py), recompute and FSDP all see the
+transformed model and need no transform-specific code.
 
 Each transform lives in its own module beside the models and is registered in TRANSFORMS, whose order is the
 order they run in:
   1. LoRA               wraps the target linears (must see the original modules)
-  2. MoE replacement    swaps MLPs for expert layers
-  3. fused projections  q/k/v and gate/up in one matmul (checkpoint names unchanged)
-  4. freezing           last, so its name patterns see the final parameter names
+  2. freezing           last, so its name patterns see the final parameter names
+A transform that replaces modules (fused projections, say) joins between them.
 A transform is enabled by its config fields (`wanted`); a run's applied transforms are logged by name.
 """
 
@@ -63,8 +62,7 @@ def apply_freeze(model: nn.Module, cfg: MeshformerConfig) -> None:
         raise UserError("model.model_config.pet_config: freeze_include freezes every parameter: nothing would train")
 
 
-# The registry, in application order. Transforms join as their features land (freezing, MoE, fused
-# projections: later issues); until then a config that asks for one is refused by config/validate.py.
+# The registry, in application order.
 TRANSFORMS: tuple[ModelTransform, ...] = _transforms()
 
 
