@@ -323,5 +323,6 @@ def run_training(cfg: MeshformerConfig, notices: list[str] | None = None, hooks:
     finally:
         if trainer is not None:
             trainer.saver.close()
+            trainer.data.close()  # the prefetching threads
             trainer.run_dir.unlock()
         env.shutdown(clean=ok)
