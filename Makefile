@@ -7,6 +7,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.meshformer-installed
+REFS_STAMP := $(VENV)/.meshformer-refs-installed
 CORPUS := $(wildcard data/shakespeare/*.txt)
 
 .PHONY: demo test venv bench clean
@@ -28,7 +29,12 @@ demo: $(STAMP)
 	$(BIN)/meshformer train configs/demo_shakespeare.yaml
 	$(BIN)/meshformer generate --checkpoint runs/demo --prompt "ROMEO." --max-new-tokens 80 --top-p 0.9 --temperature 0.8 --seed 0
 
-test: $(STAMP)
+# The references the tests compare with (megatron-core, mindspore, datasets): `make test` only, not `make demo`.
+$(REFS_STAMP): $(STAMP)
+	$(BIN)/pip install --quiet --disable-pip-version-check -e '.[test,refs]'
+	touch $@
+
+test: $(REFS_STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/python -m pytest tests

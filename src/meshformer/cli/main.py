@@ -19,6 +19,7 @@ COMMANDS = (
     "launch",
     "selfcheck",
     "preprocess",
+    "data",
     "tokenizer",
     "generate",
     "eval",

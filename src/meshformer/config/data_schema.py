@@ -9,20 +9,86 @@ from meshformer.config.fields import RegisteredDatasetFormats, setting
 
 
 @dataclass
+class MegatronBlendConfig:
+    """`data_loader.config` of a BlendedMegatronDatasetDataLoader: MindSpore Transformers' GPTDataset settings, read as
+    Megatron-LM's GPTDatasetConfig reads them (data/megatron/)."""
+
+    seed: int = setting(1234, "Random seed of Megatron's document and sample shuffles (its random_seed).")
+    seq_length: int | None = setting(
+        None, "Tokens per sample (default: model.model_config.seq_length, which it must equal).", gt=0
+    )
+    split: str | None = setting(
+        None,
+        'Shares of every dataset for train, validation and test, e.g. "99,1,0" or "1, 0, 0" (Megatron\'s split; '
+        "required with data_path).",
+    )
+    data_path: list = setting(
+        [],
+        "Weights and path prefixes in turn, e.g. ['0.3', /data/a_text_document, '0.7', /data/b_text_document] "
+        "(a prefix alone: one dataset); weights are normalised as Megatron does.",
+    )
+    train_data_path: list = setting([], "Blend for the training split only (instead of data_path and split).")
+    valid_data_path: list = setting([], "Blend for the validation split only (instead of data_path and split).")
+    test_data_path: list = setting([], "Blend for the test split only (accepted; meshformer does not test).")
+    num_dataset_builder_threads: int = setting(1, "Threads building the datasets' indices.", gt=0)
+    path_to_cache: str | None = setting(
+        None, "Folder for the built sample indices (default: none are written; they are rebuilt in memory)."
+    )
+    mmap_bin_files: bool | None = setting(None, "Accepted: the .bin files are always memory-mapped, never copied.")
+    reset_position_ids: bool = setting(False, "Rotary positions restart after every eod token.")
+    reset_attention_mask: bool = setting(False, "Attention stops at every eod token (documents do not see each other).")
+    eod_mask_loss: bool = setting(False, "The eod tokens are not targets of the loss.")
+    create_attention_mask: bool = setting(
+        True, "Accepted: meshformer builds the causal (and document) mask inside attention."
+    )
+    create_compressed_eod_mask: bool = setting(
+        False, "Accepted: with reset_attention_mask the documents are passed to attention instead."
+    )
+    eod_pad_length: int = setting(128, "Accepted with create_compressed_eod_mask (no effect in meshformer).", gt=0)
+    s3_cache_path: str | None = setting(None, "Accepted only when empty: meshformer reads local files.")
+    drop_last_partial_validation_sequence: bool = setting(
+        True, "Megatron's rule for the last, shorter validation sample: drop it (true) or pad it."
+    )
+    add_extra_token_to_sequence: bool = setting(
+        True, "Samples of seq_length + 1 tokens (inputs and shifted labels), as Megatron reads them."
+    )
+    eod: int = setting(-1, "End-of-document token id in the data (-1: the tokenizer's eos).")
+    pad: int = setting(-1, "Padding token id in the data (-1: none; padded targets are not counted).")
+
+
+@dataclass
 class DataLoaderConfig:
     type: str = setting(
         "MindDataset",
-        "Dataset format: MindDataset (a `meshformer preprocess` directory) or any name registered with "
-        "data/registry.py register_dataset_format.",
+        "Dataset format: MindDataset (a `meshformer preprocess` directory, or MindRecord files), "
+        "BlendedMegatronDatasetDataLoader (Megatron .bin/.idx blends), or one registered in data/registry.py.",
         choices=RegisteredDatasetFormats(),
     )
-    dataset_dir: str = setting("", "Directory written by `meshformer preprocess`.")
+    dataset_dir: str = setting(
+        "", "Directory written by `meshformer preprocess`, or holding .mindrecord files (MindDataset)."
+    )
+    dataset_files: list = setting([], "MindDataset: the .mindrecord files to read, in order (instead of dataset_dir).")
+    datasets_type: str = setting(
+        "GPTDataset", "BlendedMegatronDatasetDataLoader: the Megatron dataset class.", choices=("GPTDataset",)
+    )
+    sizes: list = setting(
+        [],
+        "BlendedMegatronDatasetDataLoader: samples to build for train, validation and test, e.g. [1000, 0, 0] "
+        "(default: one epoch of the training split).",
+    )
+    config: MegatronBlendConfig = setting(
+        MegatronBlendConfig, "BlendedMegatronDatasetDataLoader: the GPTDataset settings."
+    )
     tokenizer: str = setting(
         "",
         "The data's tokenizer.json, or a folder holding it (default: processor.tokenizer, else the dataset's "
         "own); saved with every checkpoint. eval_dataset's, if set, must be the same.",
     )
-    shuffle: bool = setting(True, "Shuffle sample order each epoch (the order is derived from seed, so resumable).")
+    shuffle: bool | None = setting(
+        None,
+        "Shuffle sample order each epoch, derived from seed, so resumable (default: true, except for formats "
+        "whose samples come in their own order, such as Megatron blends).",
+    )
     packing: bool = setting(
         False,
         "Instruction data: pack several samples per row, attention and rotary positions restarting at each "

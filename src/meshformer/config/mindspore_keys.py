@@ -26,6 +26,9 @@ IGNORED_KEYS = {
     ("parallel",): frozenset({"strategy_ckpt_config", "dataset_strategy"}),
     ("train_dataset",): _DATASET_IGNORED,
     ("eval_dataset",): _DATASET_IGNORED,
+    # MindSpore's sharding of a loader over devices: meshformer splits every global batch over data_parallel itself.
+    ("train_dataset", "data_loader"): frozenset({"column_names", "num_shards", "shard_id", "phase"}),
+    ("eval_dataset", "data_loader"): frozenset({"column_names", "num_shards", "shard_id", "phase"}),
     # The processor's classes and the tokenizer's arguments: meshformer reads the tokenizer.json itself, special
     # tokens and chat template included.
     ("processor",): frozenset({"type", "return_tensors", "max_length"}),

@@ -151,6 +151,12 @@ class PackedDataset:
     def sample(self, i: int) -> Sample:
         return Sample(self[i])
 
+    def describe(self) -> dict:
+        """`meshformer data stats`: the split's documents and tokens as preprocess counted them."""
+        info = self.meta["splits"][self.split]
+        used = self.num_samples * self.seq_length + 1
+        return {"documents": info.get("documents"), "tokens": info["tokens"], "tokens_unused": info["tokens"] - used}
+
     def check_tokenizer(self, tokenizer_hash: str, vocab_size: int, field: str) -> None:
         protocol.check_tokenizer(self, tokenizer_hash, vocab_size, field)
 
@@ -241,6 +247,18 @@ class SFTDataset:
     def sample(self, i: int) -> Sample:
         return Sample(self[i], self.mask(i), self.documents(i))
 
+    def describe(self) -> dict:
+        """`meshformer data stats`: conversations, rows and the share of row tokens that are padding."""
+        targets = int(np.count_nonzero(self.masks)) if len(self.masks) else 0
+        return {
+            "conversations": self.samples,
+            "rows": len(self.rows),
+            "packing": self.packing,
+            "tokens": int(self.offsets[-1]),
+            "target_tokens": targets,
+            "padding": round(self.padding, 4),
+        }
+
     check_tokenizer = PackedDataset.check_tokenizer
     state_dict = PackedDataset.state_dict
 
@@ -327,29 +345,36 @@ class GlobalBatches:
         instruction data) and labels that would predict the first token of the next packed sample become
         `ignore`. The token ids are checked against the vocabulary here, before any copy: on a GPU a check there
         would make the host wait for the device every step."""
-        samples = self.samples(dataset, b)
-        tokens = torch.stack([s.tokens for s in samples])
-        if int(tokens.max()) >= vocab_size:  # a corrupt or foreign token file
-            raise UserError(
-                f"{field}: global batch {b} holds token id {int(tokens.max())} but model.model_config.vocab_size is "
-                f"{vocab_size}: re-run `meshformer preprocess`"
-            )
-        labels = tokens[:, 1:]
-        if samples[0].loss_mask is not None:
-            targets = torch.stack([s.loss_mask for s in samples])
-            labels = labels.masked_fill(~targets[:, 1:], ignore)
-        documents = None
-        if samples[0].documents is not None:
-            documents = torch.stack([s.documents for s in samples])
-            labels = labels.masked_fill(documents[:, 1:] != documents[:, :-1], ignore)
-            documents = documents[:, :-1]
-        return tokens[:, :-1], labels, documents
+        return batch_inputs(self.samples(dataset, b), vocab_size, ignore, f"{field}: global batch {b}")
 
     def model_inputs(
         self, dataset: protocol.Dataset, b: int, device: torch.device, vocab_size: int, ignore: int, field: str
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """`host_inputs` on `device`."""
         return to_device(self.host_inputs(dataset, b, vocab_size, ignore, field), device)
+
+
+def batch_inputs(
+    samples: list[Sample], vocab_size: int, ignore: int, where: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Inputs, labels and documents of these rows (GlobalBatches.host_inputs says how); `where` opens the error of a
+    token id outside the vocabulary."""
+    tokens = torch.stack([s.tokens for s in samples])
+    if int(tokens.max()) >= vocab_size:  # a corrupt or foreign token file
+        raise UserError(
+            f"{where} holds token id {int(tokens.max())} but model.model_config.vocab_size is "
+            f"{vocab_size}: re-run `meshformer preprocess`"
+        )
+    labels = tokens[:, 1:]
+    if samples[0].loss_mask is not None:
+        targets = torch.stack([s.loss_mask for s in samples])
+        labels = labels.masked_fill(~targets[:, 1:], ignore)
+    documents = None
+    if samples[0].documents is not None:
+        documents = torch.stack([s.documents for s in samples])
+        labels = labels.masked_fill(documents[:, 1:] != documents[:, :-1], ignore)
+        documents = documents[:, :-1]
+    return tokens[:, :-1], labels, documents
 
 
 def pinned(batch: tuple) -> tuple:

@@ -11,6 +11,9 @@ A format that knows the tokenizer its tokens were made with sets `tokenizer_hash
 `vocab_size`, so training refuses a different tokenizer or a smaller model vocabulary; `tokenizer_file` names the
 tokenizer.json it carries, the default when the config names none. All three may be None (an in-memory format):
 then the config's tokenizer, if any, is used unchecked, and without one the run trains and saves no tokenizer.
+
+A format whose index order already is its training order (a Megatron blend: its own tool shuffled it) sets
+`ordered = True`; the trainer then reads samples 0, 1, 2, ... unless `data_loader.shuffle` is set true.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ class Dataset(Protocol):
     tokenizer_hash: str | None
     vocab_size: int | None
     tokenizer_file: Path | None
+    # optional: ordered (bool, default False), load_state_dict(state), describe() -> dict (`meshformer data stats`)
 
     def __len__(self) -> int: ...
 
@@ -57,6 +61,11 @@ def fingerprint(ds: Dataset) -> str:
         for t in (s.tokens, s.loss_mask, s.documents):
             h.update(b"-" if t is None else t.to(torch.int64).numpy().tobytes())
     return h.hexdigest()
+
+
+def shuffles(ds: Dataset, shuffle: bool | None) -> bool:
+    """Whether the trainer shuffles `ds`: `data_loader.shuffle` when set, else unless the format keeps its own order."""
+    return (not getattr(ds, "ordered", False)) if shuffle is None else shuffle
 
 
 def identity(ds: Dataset, format_name: str) -> dict:

@@ -24,7 +24,7 @@ from meshformer.config.data_schema import DataLoaderConfig
 from meshformer.config.schema import MeshformerConfig
 from meshformer.data.dataset import GlobalBatches, SampleOrder, pinned, to_device
 from meshformer.data.prefetch import Prefetcher
-from meshformer.data.protocol import check_same_data, check_tokenizer
+from meshformer.data.protocol import check_same_data, check_tokenizer, shuffles
 from meshformer.data.registry import open_dataset_for
 from meshformer.data.tokenizer import load_tokenizer, tokenizer_hash, vocab_size
 from meshformer.errors import UserError
@@ -95,7 +95,8 @@ class TrainingData:
             self.eval_batches = GlobalBatches(
                 SampleOrder(len(self.eval_ds), 0, False), eval_batch, self.env.dp_rank, self.env.dp_size
             )
-        order = SampleOrder(len(self.train_ds), self.cfg.seed, cfg.train_dataset.data_loader.shuffle)
+        self.shuffle = shuffles(self.train_ds, dl.shuffle)
+        order = SampleOrder(len(self.train_ds), self.cfg.seed, self.shuffle)
         if order.n < self.plan.global_batch:
             raise UserError(
                 f"train_dataset: {order.n} samples of seq_length {self.mc.seq_length} are fewer than one "
@@ -180,7 +181,7 @@ class TrainingData:
         dataset's own state: data/protocol.py), for `load_state_dict` to refuse a resume on other data."""
         if self._state is None:
             dl = self.cfg.train_dataset.data_loader
-            self._state = {"data": {"type": dl.type, "shuffle": dl.shuffle, "dataset": self.train_ds.state_dict()}}
+            self._state = {"data": {"type": dl.type, "shuffle": self.shuffle, "dataset": self.train_ds.state_dict()}}
         return self._state
 
     def load_state_dict(self, state: dict) -> None:
