@@ -1,8 +1,10 @@
-"""`meshformer import` and `meshformer export`: Hugging Face directories and GGUF files <-> meshformer checkpoints.
+"""`meshformer import` and `meshformer export`: Hugging Face directories, GGUF files and MindSpore checkpoints <->
+meshformer checkpoints.
 
 An import writes one checkpoint directory (weights only, step 0) with a config.yaml whose `model_config` comes
-from the source's config.json (or GGUF metadata), the source's tokenizer.json and tokenizer_config.json (special
-tokens, chat template) and a manifest, so `load_checkpoint`, `generate`, `preprocess --tokenizer` and
+from the source's config.json (or GGUF metadata, or for a MindSpore checkpoint the MindSpore Transformers YAML given
+with it: checkpoint/mindspore_model.py), the source's tokenizer.json and tokenizer_config.json (special tokens, chat
+template) and a manifest, so `load_checkpoint`, `generate`, `preprocess --tokenizer` and
 `meshformer export` take it like any checkpoint. Every tensor is checked against the model the config describes
 (names and shapes, both ways) before anything is written. Both commands write into `OUTPUT.tmp-*` and rename it
 to OUTPUT at the end: an existing OUTPUT is never touched, a failure leaves nothing that looks complete.
@@ -19,6 +21,7 @@ import json
 import os
 import re
 import shutil
+import sys
 from pathlib import Path
 
 import torch
@@ -129,7 +132,32 @@ def hf_weights_for(src: Path, expected: dict[str, tuple[int, ...]], field: str) 
     return tensors
 
 
-def import_model(src: str | Path, output: str | Path) -> tuple[Path, MeshformerConfig]:
+def import_model(
+    src: str | Path, output: str | Path, config: str | Path | None = None
+) -> tuple[Path, MeshformerConfig]:
+    """Import a Hugging Face directory, a GGUF file, or (with `config`, the MindSpore Transformers YAML it was
+    trained with) a MindSpore checkpoint: a `.ckpt` / `.safetensors` file."""
+    from meshformer.checkpoint.hf_dir import is_hf_dir
+    from meshformer.checkpoint.mindspore_ckpt import is_mindspore_source
+
+    p = Path(src)
+    if is_mindspore_source(p) and not is_hf_dir(p):
+        from meshformer.checkpoint.mindspore_model import read_mindspore_model
+
+        ms = read_mindspore_model(p, config)
+        if ms.training_state:
+            print(
+                f"note: {len(ms.training_state)} training-state entries not imported (optimizer moments, step "
+                f"counters: {', '.join(ms.training_state[:3])}, ...): the import is the model's weights",
+                file=sys.stderr,
+            )
+        state = {"step": 0, "imported_from": ms.origin, "finite": True}
+        return _write_model(ms.cfg, ms.tensors, ms.tokenizer_json, ms.tokenizer_config, state, output), ms.cfg
+    if config is not None:
+        raise UserError(
+            f"--config {config}: only a MindSpore checkpoint (.ckpt or .safetensors file) takes a MindSpore "
+            f"Transformers YAML; {src} carries its own config"
+        )
     return write_import(read_source(src), output)
 
 
@@ -139,6 +167,16 @@ def write_import(source: SourceModel, output: str | Path) -> tuple[Path, Meshfor
             f"{source.origin}: no tokenizer.json: meshformer needs the model's tokenizer to train or generate"
         )
     cfg, tensors = source_to_model(source)
+    state = {"step": 0, "imported_from": source.origin, "finite": True}
+    if Path(source.origin).is_dir():  # a GGUF file is no base PEFT can load
+        state[BASE_KEY] = hf_base_name(source.origin)
+    return _write_model(cfg, tensors, source.tokenizer_json, source.tokenizer_config, state, output), cfg
+
+
+def _write_model(
+    cfg: MeshformerConfig, tensors: dict, tokenizer_json: str, tokenizer_config: dict, state: dict, output
+) -> Path:
+    """The imported checkpoint: weights (checked to be exactly the config's model), config.yaml, tokenizer files."""
     out, tmp = _fresh_output(output)
     from meshformer.models import build_model
 
@@ -146,18 +184,15 @@ def write_import(source: SourceModel, output: str | Path) -> tuple[Path, Meshfor
     model.load_state_dict(tensors, strict=True, assign=True)  # the tensors themselves: no second copy
     files = {
         "config.yaml": yaml.safe_dump(to_dict(cfg), sort_keys=False).encode(),
-        "tokenizer.json": source.tokenizer_json.encode(),
-        "tokenizer_config.json": json.dumps(source.tokenizer_config, indent=1).encode(),
+        "tokenizer.json": tokenizer_json.encode(),
+        "tokenizer_config.json": json.dumps(tokenizer_config, indent=1).encode(),
     }
-    state = {"step": 0, "imported_from": source.origin, "finite": True}
-    if Path(source.origin).is_dir():  # a GGUF file is no base PEFT can load
-        state[BASE_KEY] = hf_base_name(source.origin)
     try:
         save_checkpoint(tmp, [model], None, state, files)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return _finish(tmp, out), cfg
+    return _finish(tmp, out)
 
 
 def _tokenizer_config(ckpt: Path, tokenizer) -> dict:
@@ -258,3 +293,20 @@ def _export_gguf(ckpt: Path, out: Path, dtype: str, gguf_type: str) -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     family = family_of(cfg.model.model_config)
     return write_gguf(out, hf_cfg, to_hf_names(state, family), tok_json, tok_cfg, qtype=gguf_type)
+
+
+def export_mindspore(checkpoint: str | Path, output: str | Path, dtype: str = "float32", fused: bool = False):
+    """Write a checkpoint's model (LoRA adapters merged in) as one consolidated MindSpore `.ckpt` (or, named
+    `.safetensors`, MindSpore's safetensors form) under MindSpore Transformers' names; with `fused` each layer's
+    q/k/v and gate/up as its `qkv_concat: True` models hold them. Returns (output, checkpoint)."""
+    from meshformer.checkpoint.inference import load_for_inference
+    from meshformer.checkpoint.mindspore_ckpt import new_output, write_mindspore_checkpoint
+    from meshformer.checkpoint.mindspore_model import mindspore_tensors
+    from meshformer.models.lora import lora_wanted, merged_state_dict
+
+    ckpt = resolve_checkpoint(checkpoint)
+    out = new_output(output)  # before loading anything
+    model, cfg, _ = load_for_inference(ckpt)
+    state = merged_state_dict(model) if lora_wanted(cfg) else model.state_dict()
+    tensors = mindspore_tensors(state, cfg.model.model_config, fused, DTYPE[dtype])
+    return write_mindspore_checkpoint(out, tensors), ckpt

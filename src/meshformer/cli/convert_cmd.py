@@ -2,7 +2,9 @@
 
 meshformer import ./SmolLM2-135M-Instruct --output ckpt/smollm2 --verify    # a Hugging Face directory
 meshformer import model.Q4_1.gguf --output ckpt/smollm2                     # or a GGUF file
+meshformer import llama2_7b.ckpt --config pretrain_llama2_7b.yaml --output ckpt/llama2   # or MindSpore's
 meshformer export runs/sft --output hf/sft --verify                          # a checkpoint or a run's output_dir
+meshformer export runs/sft --format mindspore --output sft.ckpt [--fused]    # MindSpore Transformers' names
 """
 
 from __future__ import annotations
@@ -18,12 +20,18 @@ from meshformer.tolerance import TOLERANCE_TEXT
 def add_parser(sub) -> None:
     i = sub.add_parser(
         "import",
-        help="turn a Hugging Face model directory or a GGUF file into a meshformer checkpoint",
-        description="Convert a Hugging Face model directory (config.json + safetensors or pytorch_model*.bin) or "
-        "a GGUF file into a meshformer checkpoint directory (weights, config.yaml, tokenizer).",
+        help="turn a Hugging Face model directory, a GGUF file or a MindSpore checkpoint into a meshformer checkpoint",
+        description="Convert a Hugging Face model directory (config.json + safetensors or pytorch_model*.bin), "
+        "a GGUF file, or a consolidated MindSpore checkpoint (.ckpt or .safetensors, MindSpore Transformers' names, "
+        "with --config) into a meshformer checkpoint directory (weights, config.yaml, tokenizer).",
     )
-    i.add_argument("source", help="a Hugging Face model directory or a .gguf file")
+    i.add_argument("source", help="a Hugging Face model directory, a .gguf file, or a MindSpore .ckpt/.safetensors")
     i.add_argument("--output", required=True, help="the checkpoint directory to create (must not exist)")
+    i.add_argument(
+        "--config",
+        help="MindSpore checkpoints: the MindSpore Transformers YAML it was trained with (model.model_config gives "
+        "the shape, processor.tokenizer.tokenizer_file or vocab_file the tokenizer.json)",
+    )
     i.add_argument(
         "--verify",
         action="store_true",
@@ -32,15 +40,31 @@ def add_parser(sub) -> None:
     i.set_defaults(func=run_import)
     e = sub.add_parser(
         "export",
-        help="write a checkpoint as a Hugging Face model directory",
+        help="write a checkpoint as a Hugging Face model directory (or a GGUF file, or a MindSpore checkpoint)",
         description="Write a checkpoint (or a run's newest good one) as a directory that transformers loads: "
-        "config.json, safetensors shards with an index, tokenizer files and chat template.",
+        "config.json, safetensors shards with an index, tokenizer files and chat template; with --format gguf one "
+        "GGUF file, with --format mindspore one .ckpt that mindspore.load_checkpoint loads, in MindSpore "
+        "Transformers' names.",
     )
     e.add_argument("checkpoint", help="a checkpoint/step_N directory or a run's output_dir")
     e.add_argument(
-        "--output", required=True, help="the directory to create (must not exist); with --format gguf a .gguf file"
+        "--output",
+        required=True,
+        help="the directory to create (must not exist); with --format gguf a .gguf file, with --format mindspore a "
+        ".ckpt (or .safetensors) file",
     )
-    e.add_argument("--format", default="hf", choices=("hf", "gguf"), help="Hugging Face directory or one GGUF file")
+    e.add_argument(
+        "--format",
+        default="hf",
+        choices=("hf", "gguf", "mindspore"),
+        help="Hugging Face directory, one GGUF file, or one MindSpore checkpoint",
+    )
+    e.add_argument(
+        "--fused",
+        action="store_true",
+        help="--format mindspore: each layer's q/k/v as one attention.w_qkv and gate/up as one "
+        "feed_forward.w_gate_hidden (MindSpore Transformers' qkv_concat: True layout)",
+    )
     e.add_argument(
         "--gguf-type", default="F16", choices=("F32", "F16", "BF16", "Q8_0"), help="GGUF tensor type (default F16)"
     )
@@ -75,7 +99,7 @@ def parse_size(text: str) -> int:
 def run_import(args) -> int:
     from meshformer.checkpoint.convert import import_model
 
-    out, cfg = import_model(args.source, args.output)
+    out, cfg = import_model(args.source, args.output, args.config)
     mc = cfg.model.model_config
     print(
         f"imported {args.source} -> {out}: {mc.type} {mc.num_layers} layers, hidden {mc.hidden_size}, "
@@ -85,8 +109,11 @@ def run_import(args) -> int:
         from meshformer.checkpoint import parity
         from meshformer.checkpoint.inference import load_for_inference
 
-        model, _, tokenizer = load_for_inference(out)
         src = Path(args.source)
+        if src.suffix in (".ckpt", ".safetensors"):
+            print("--verify compares with transformers, which cannot read a MindSpore checkpoint; not run")
+            return 0
+        model, _, tokenizer = load_for_inference(out)
         gguf = src.name if src.suffix == ".gguf" else None
         parity.verify(model, tokenizer, src.parent if gguf else src, gguf)
     return 0
@@ -94,6 +121,11 @@ def run_import(args) -> int:
 
 def run_export(args) -> int:
     from meshformer.checkpoint.convert import export_model
+
+    if args.format == "mindspore":
+        return _run_export_mindspore(args)
+    if args.fused:
+        print("--fused is for --format mindspore; not used")
 
     gguf_type = args.gguf_type if args.format == "gguf" else None
     out, ckpt, kind = export_model(
@@ -121,4 +153,16 @@ def run_export(args) -> int:
         model, _, tokenizer = load_for_inference(ckpt)
         model.to(DTYPE[args.dtype]).float()  # compare with the weights as exported (rounded to --dtype)
         parity.verify(model, tokenizer, out)
+    return 0
+
+
+def _run_export_mindspore(args) -> int:
+    from meshformer.checkpoint.convert import export_mindspore
+
+    out, ckpt = export_mindspore(args.checkpoint, args.output, args.dtype, args.fused)
+    layout = "fused w_qkv / w_gate_hidden" if args.fused else "separate wq/wk/wv, w1/w3"
+    print(f"exported {ckpt} -> {out} (MindSpore checkpoint, {args.dtype}, {layout})")
+    for flag, given in (("--verify", args.verify), ("--base", args.base), ("--merge-lora", args.merge_lora)):
+        if given:
+            print(f"{flag} is not used for --format mindspore (LoRA adapters are always merged in)")
     return 0

@@ -32,7 +32,7 @@ class MegatronBlendConfig:
     test_data_path: list = setting([], "Blend for the test split only (accepted; meshformer does not test).")
     num_dataset_builder_threads: int = setting(1, "Threads building the datasets' indices.", gt=0)
     path_to_cache: str | None = setting(
-        None, "Folder for the built sample indices (default: none are written; they are rebuilt in memory)."
+        None, "Accepted: the indices are rebuilt in memory (seconds for millions of documents); nothing is written."
     )
     mmap_bin_files: bool | None = setting(None, "Accepted: the .bin files are always memory-mapped, never copied.")
     reset_position_ids: bool = setting(False, "Rotary positions restart after every eod token.")
@@ -52,7 +52,7 @@ class MegatronBlendConfig:
     add_extra_token_to_sequence: bool = setting(
         True, "Samples of seq_length + 1 tokens (inputs and shifted labels), as Megatron reads them."
     )
-    eod: int = setting(-1, "End-of-document token id in the data (-1: the tokenizer's eos).")
+    eod: int = setting(-1, "End-of-document token id in the data (-1: none; required by eod_mask_loss and reset_*).")
     pad: int = setting(-1, "Padding token id in the data (-1: none; padded targets are not counted).")
 
 

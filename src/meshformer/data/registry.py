@@ -9,30 +9,21 @@ name registered when the config is read (config/schema.py RegisteredNames).
 from __future__ import annotations
 
 import difflib
-from collections.abc import Callable
-from typing import Any
 
 import torch
 
 from meshformer.data.dataset import open_dataset
+
+# The table lives in data/formats.py, so a format's module registers itself without importing this one.
+from meshformer.data.formats import FORMATS as _FORMATS
+from meshformer.data.formats import (  # noqa: F401 (re-exported)
+    OpenFn,
+    dataset_formats,
+    register_dataset_format,
+    unregister_dataset_format,
+)
 from meshformer.data.protocol import Dataset
 from meshformer.errors import UserError
-
-OpenFn = Callable[[Any, str, int, str], Dataset]
-_FORMATS: dict[str, OpenFn] = {}
-
-
-def register_dataset_format(type_name: str, open_fn: OpenFn) -> None:
-    """Make `data_loader.type: type_name` open datasets with `open_fn`; registering a name again replaces it."""
-    _FORMATS[type_name] = open_fn
-
-
-def unregister_dataset_format(type_name: str) -> None:
-    _FORMATS.pop(type_name, None)
-
-
-def dataset_formats() -> list[str]:
-    return sorted(_FORMATS)
 
 
 def open_dataset_for(data_loader_cfg, split: str, seq_length: int, field: str) -> Dataset:
@@ -66,8 +57,21 @@ def _check_first_sample(ds: Dataset, type_name: str, seq_length: int, field: str
 
 
 def _open_mind_dataset(dl, split: str, seq_length: int, field: str) -> Dataset:
-    """meshformer's own directories (`meshformer preprocess`): packed text or instruction samples."""
-    return open_dataset(dl.dataset_dir, split, seq_length, f"{field}.dataset_dir", dl.packing)
+    """meshformer's own directories (`meshformer preprocess`: packed text or instruction samples, a meta.json), else
+    MindRecord files as MindSpore Transformers' MindDataset finds them (dataset_dir walked, or dataset_files). The
+    MindRecord files have no splits: every split reads all their rows (eval_dataset names its own files)."""
+    from meshformer.data import mindrecord  # imported at the bottom too; here for the names
+
+    files = mindrecord.dataset_files(dl, field)
+    if files is None:
+        return open_dataset(dl.dataset_dir, split, seq_length, f"{field}.dataset_dir", dl.packing)
+    if dl.packing:
+        raise UserError(f"{field}.packing: MindRecord rows are read as written, one per sample: set packing: false")
+    return mindrecord.open_mindrecord(files, seq_length, field)
 
 
 register_dataset_format("MindDataset", _open_mind_dataset)
+
+# Formats in their own modules register themselves when imported (through data/formats.py).
+from meshformer.data import mindrecord as _mindrecord  # noqa: E402, F401
+from meshformer.data.megatron import loader as _megatron_loader  # noqa: E402, F401

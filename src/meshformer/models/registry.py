@@ -48,6 +48,18 @@ class GgufArch:
 
 
 @dataclass(frozen=True)
+class MindSporeNames:
+    """How MindSpore Transformers names a family's parameters (its convert_weight.py / convert_reversed.py), both
+    ways; fused projections are split and joined with the model config's shape."""
+
+    # ({MindSpore Transformers name: tensor}, ModelConfig, where) -> {our name: tensor}; a UserError naming the first
+    # tensor that is no parameter of the family, or a fused one whose shape the config contradicts
+    from_mindspore: Callable
+    to_mindspore: Callable  # ({our name: tensor}, ModelConfig, fused: bool) -> {MindSpore Transformers name: tensor}
+    name_of: Callable  # our parameter name -> MindSpore Transformers' (unfused), for messages
+
+
+@dataclass(frozen=True)
 class ModelFamily:
     name: str
     config_types: tuple[str, ...]  # the `model_config.type` values this family builds
@@ -62,6 +74,8 @@ class ModelFamily:
     gguf_names: dict[str, GgufArch] = field(default_factory=dict)  # GGUF architecture -> its names
     # The planner's per-layer activation count; None: planner/memory.py counts on the real (meta) modules.
     activation_model: object | None = None
+    # MindSpore Transformers' names (`meshformer import MODEL.ckpt`, `export --format mindspore`); None: not converted
+    mindspore_names: MindSporeNames | None = None
 
     def flops_per_token(self, mc) -> float:
         """Model FLOPs per token (PaLM's appendix, as Megatron and torchtitan count them; the MFU convention):

@@ -66,10 +66,16 @@ class TrainingData:
         self.eval_micro_batch = None
         if cfg.do_eval or cfg.eval_config.eval_interval > 0:
             # Without a location (or a format) of its own, validation reads the training data's other split.
-            own = ev.data_loader.dataset_dir or ev.data_loader.type not in (dl.type, DataLoaderConfig.type)
+            own = _names_data(ev.data_loader) or ev.data_loader.type not in (dl.type, DataLoaderConfig.type)
             eval_dl = ev.data_loader if own else dataclasses.replace(dl, packing=ev.data_loader.packing)
             split = ev.split or "validation"
             self.eval_ds = open_dataset_for(eval_dl, split, self.mc.seq_length, "eval_dataset.data_loader")
+            if not own and not getattr(self.eval_ds, "has_splits", True):
+                raise UserError(
+                    f"eval_dataset.data_loader: the training data ({dl.type} files) has no validation split, so "
+                    f"validation would read the training samples: give eval_dataset.data_loader.dataset_dir (or "
+                    f"dataset_files) files of its own, or set do_eval: false"
+                )
             eval_field = "eval_dataset.data_loader.dataset_dir"
             check_tokenizer(self.eval_ds, self.tokenizer_hash, self.mc.vocab_size, eval_field)
             if ev.data_loader.tokenizer:  # the run has one tokenizer: the training data's
@@ -194,6 +200,11 @@ class TrainingData:
                 self.train_ds.load_state_dict(saved["dataset"])
             else:
                 check_same_data(saved["dataset"], now["dataset"], "train_dataset")
+
+
+def _names_data(dl: DataLoaderConfig) -> bool:
+    """Whether a data_loader section says where its data is (else an eval section reuses the training data's)."""
+    return bool(dl.dataset_dir or dl.dataset_files or dl.sizes or dl.config != DataLoaderConfig().config)
 
 
 def configured_tokenizer(value: str, field: str, model_vocab_size: int) -> Path:

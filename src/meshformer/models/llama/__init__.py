@@ -1,9 +1,11 @@
 """The Llama family (Llama 2/3, SmolLM2, Qwen2, Qwen3; Mistral without a window): its model (model.py), config.json
-mapping (hf.py), GGUF names (gguf.py), and its entry in the model-family registry."""
+mapping (hf.py), GGUF names (gguf.py), MindSpore Transformers names (mindspore_names.py), and its entry in the
+model-family registry."""
 
 from meshformer.models.llama.activations import LLAMA_ACTIVATIONS
 from meshformer.models.llama.gguf import GGUF_NAMES
 from meshformer.models.llama.hf import CONFIG_TYPES, HF_MODEL_TYPES, config_from_hf, config_to_hf
+from meshformer.models.llama.mindspore_names import from_mindspore, mindspore_name, to_mindspore
 from meshformer.models.llama.model import (
     MLP,
     Attention,
@@ -21,7 +23,7 @@ from meshformer.models.llama.model import (
     rope_inv_freq,
     tp_plan,
 )
-from meshformer.models.registry import ModelFamily, register_family
+from meshformer.models.registry import MindSporeNames, ModelFamily, register_family
 
 LLAMA = ModelFamily(
     name="llama",
@@ -34,6 +36,7 @@ LLAMA = ModelFamily(
     config_to_hf=config_to_hf,
     gguf_names=GGUF_NAMES,
     activation_model=LLAMA_ACTIVATIONS,
+    mindspore_names=MindSporeNames(from_mindspore, to_mindspore, mindspore_name),
 )
 register_family(LLAMA)
 
