@@ -1,11 +1,16 @@
 """`meshformer preprocess --input FILE [FILE ...] --tokenizer DIR --output DIR [--val-fraction F]
-[--keep-duplicates] [--overwrite]`: text -> packed token dataset (sequence length is chosen at training time);
-instruction data (.jsonl, or .json arrays, in alpaca, messages or sharegpt form) -> samples with a loss mask
-(data/sft.py)."""
+[--keep-duplicates] [--overwrite] [--text-split file|paragraph|line] [--workers N] [--format megatron]`: text
+(.txt, .jsonl, .json, .parquet, .arrow, datasets.save_to_disk folders) -> packed token dataset (sequence length is
+chosen at training time) or a Megatron indexed dataset, streamed; instruction data (the same files, in alpaca,
+messages or sharegpt form) -> samples with a loss mask (data/sft.py)."""
 
 from __future__ import annotations
 
 import argparse
+import os
+
+SMALL_INPUT_BYTES = 16 << 20  # below this, worker processes cost more to start than they save
+MAX_DEFAULT_WORKERS = 8
 
 
 def add_parser(subparsers) -> None:
@@ -20,8 +25,8 @@ def add_parser(subparsers) -> None:
         nargs="+",
         required=True,
         metavar="FILE",
-        help='.txt files (one document each), .jsonl files (one {"text": ...} or instruction record per line) or '
-        ".json arrays of such records",
+        help='.txt files (see --text-split), .jsonl files (one {"text": ...} or instruction record per line), '
+        ".json arrays of such records, .parquet / .arrow files or datasets.save_to_disk folders (their rows)",
     )
     p.add_argument(
         "--tokenizer",
@@ -32,8 +37,10 @@ def add_parser(subparsers) -> None:
     p.add_argument(
         "--format",
         default="auto",
-        choices=("auto", "text", "alpaca", "messages", "sharegpt"),
-        help="input kind (default: from the fields of the first .jsonl/.json record)",
+        choices=("auto", "text", "alpaca", "messages", "sharegpt", "megatron"),
+        help="input kind (default: from the fields of the first record); megatron: text written as a Megatron "
+        "indexed dataset DIR/text_document.bin/.idx, every kept document + EOS, no validation split (Megatron's "
+        "`split` makes it at training time)",
     )
     p.add_argument(
         "--template",
@@ -72,7 +79,21 @@ def add_parser(subparsers) -> None:
     p.add_argument(
         "--split-blank-lines",
         action="store_true",
-        help="treat each blank-line-separated paragraph of a .txt file as its own document",
+        help="treat each blank-line-separated paragraph of a .txt file as its own document (--text-split paragraph)",
+    )
+    p.add_argument(
+        "--text-split",
+        default=None,
+        choices=("file", "paragraph", "line"),
+        help=".txt documents: the whole file (default), each blank-line-separated paragraph, or each line",
+    )
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=None,
+        metavar="N",
+        help="tokenizer processes (0: this process; default: one per CPU up to "
+        f"{MAX_DEFAULT_WORKERS}, or 0 for inputs under {SMALL_INPUT_BYTES >> 20} MB)",
     )
     p.set_defaults(func=run)
 
@@ -80,21 +101,36 @@ def add_parser(subparsers) -> None:
 def input_format(args) -> str:
     """text, or the instruction format of the first record of the first .jsonl/.json input that has one (auto)."""
     if args.format != "auto":
-        return args.format
+        return "text" if args.format == "megatron" else args.format
     from pathlib import Path
 
     from meshformer.data.documents import iter_records
     from meshformer.data.sft import detect_format
+    from meshformer.data.sources import ARROW_SUFFIXES, is_dataset_dir
 
     for name in args.input:
         p = Path(name)
-        if p.suffix.lower() not in (".jsonl", ".json") or not p.is_file():
+        records = p.suffix.lower() in (".jsonl", ".json", *ARROW_SUFFIXES) and p.is_file()
+        if not records and not is_dataset_dir(p):
             return "text"  # the text path reports what is wrong with the inputs
         for where, _, record in iter_records(p):  # a damaged file is one line here, as on the text path
             if isinstance(record, dict) and args.text_field not in record:
                 return detect_format(record, where)
             return "text"
     return "text"
+
+
+def default_workers(inputs: list[str]) -> int:
+    """One process per CPU (up to MAX_DEFAULT_WORKERS), or none for small inputs (MindSpore's num_parallel_workers
+    plays this part in its pre-processing)."""
+    from pathlib import Path
+
+    size = 0
+    for name in inputs:
+        p = Path(name)
+        files = (f for f in p.rglob("*") if f.is_file()) if p.is_dir() else [p] if p.is_file() else []
+        size += sum(f.stat().st_size for f in files)
+    return 0 if size < SMALL_INPUT_BYTES else min(MAX_DEFAULT_WORKERS, os.cpu_count() or 1)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -127,5 +163,8 @@ def run(args: argparse.Namespace) -> int:
         overwrite=args.overwrite,
         text_field=args.text_field,
         split_blank_lines=args.split_blank_lines,
+        text_split=args.text_split,
+        workers=default_workers(args.input) if args.workers is None else args.workers,
+        output_format="megatron" if args.format == "megatron" else "packed",
     )
     return 0

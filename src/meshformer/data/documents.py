@@ -1,6 +1,8 @@
-"""Reading documents from the user's text files: `.txt` (a file, or its blank-line-separated paragraphs, per
-document), `.jsonl` (one object per line, its text field) and `.json` (a JSON array of such objects, LLaMA-Factory's
-file format; a .json file that is not an array is read as JSON Lines, as `datasets.load_dataset("json")` does).
+"""Reading documents from the user's files: `.txt` (a file, its blank-line-separated paragraphs, or its lines per
+document), `.jsonl` (one object per line, its text field), `.json` (a JSON array of such objects, LLaMA-Factory's
+file format; a .json file that is not an array is read as JSON Lines, as `datasets.load_dataset("json")` does), and
+`.parquet` / `.arrow` files and `datasets.save_to_disk` folders (their rows). Everything is read as a stream
+(sources.py): `iter_document_pieces` never holds more than a piece of a document, whatever the file's size.
 Shared by `tokenizer train`, `preprocess` and instruction data (`iter_records`); every malformed input becomes a
 one-line UserError that names the file, the line (JSON Lines) or the element (`FILE[i]`, arrays) and the fix. A NUL
 byte, which no text file holds, marks a binary file given as text."""
@@ -8,13 +10,15 @@ byte, which no text file holds, marks a binary file given as text."""
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Iterator
 from pathlib import Path
 
+from meshformer.data.sources import ARROW_SUFFIXES, is_dataset_dir, iter_json_array, iter_rows, txt_documents
 from meshformer.errors import UserError
 
-SUFFIXES = (".txt", ".jsonl", ".json")
+SUFFIXES = (".txt", ".jsonl", ".json", *ARROW_SUFFIXES)
+TEXT_SPLITS = ("file", "paragraph", "line")
+WHOLE_JSON_BYTES = 64 << 20  # a .json file this small that fails to stream is parsed whole, for the exact error
 
 
 def resolve_inputs(files: list[str] | list[Path], flag: str = "--input") -> list[Path]:
@@ -23,14 +27,20 @@ def resolve_inputs(files: list[str] | list[Path], flag: str = "--input") -> list
     paths = []
     for f in files:
         p = Path(f)
+        if is_dataset_dir(p):
+            paths.append(p)
+            continue
         if p.is_dir():
-            raise UserError(f"{flag}: {str(p)!r} is a directory: pass its files, e.g. {p}/*.txt")
+            raise UserError(
+                f"{flag}: {str(p)!r} is a directory (not a datasets.save_to_disk folder): pass its files, e.g. "
+                f"{p}/*.txt"
+            )
         if not p.is_file():
             raise UserError(f"{flag}: {str(p)!r} does not exist")
         if p.suffix.lower() not in SUFFIXES:
             raise UserError(
                 f"{flag}: {str(p)!r} has an unsupported suffix {p.suffix!r}: use .txt (one document "
-                f'per file) or .jsonl (one {{"text": ...}} object per line)'
+                f'per file), .jsonl (one {{"text": ...}} object per line), .json, .parquet or .arrow'
             )
         paths.append(p)
     return paths
@@ -48,14 +58,46 @@ def _read_text(path: Path) -> str:
     return text
 
 
+def _streamed_array(path: Path) -> Iterator[tuple[str, int, object]]:
+    """The elements of a .json array, streamed. Returns False when iter_records' whole-file parse should take over:
+    a small file that is not an array (its error, or JSON Lines) or one too damaged to stream (its wording)."""
+    small = path.stat().st_size <= WHOLE_JSON_BYTES
+    if small:
+        with path.open("rb") as fh:
+            if fh.read(4096).lstrip()[:1] != b"[":
+                return False
+    try:
+        for i, v in iter_json_array(path):
+            yield f"{path}[{i}]", i, v
+    except ValueError as e:
+        if small:
+            try:
+                json.loads(_read_text(path))
+            except ValueError:
+                return False
+        raise UserError(
+            f"{path}: not a valid JSON array ({e}; a file cut short ends like this): fix it, or give one record per "
+            f"line as .jsonl"
+        ) from None
+    return True
+
+
 def _binary(path: Path, lineno: int) -> UserError:
     return UserError(f"{path}:{lineno}: binary data (a NUL byte), not JSON text: is this the right file?")
 
 
 def iter_records(path: Path) -> Iterator[tuple[str, int, object]]:
     """(where, key, value) of every JSON record of `path`: a .jsonl line (key: its line number, blank lines
-    skipped) or an element of a .json array (key: its index). `where` names it in errors: FILE:LINE or FILE[i]."""
+    skipped), an element of a .json array (key: its index), or a row of a Parquet/Arrow file or save_to_disk
+    folder, as a dict (key: its row number). `where` names it in errors: FILE:LINE or FILE[i]. Nothing is read
+    whole but a small .json file that is not one array."""
+    if is_dataset_dir(path) or path.suffix.lower() in ARROW_SUFFIXES:
+        yield from iter_rows(path)
+        return
     if path.suffix.lower() == ".json":
+        streamed = yield from _streamed_array(path)
+        if streamed:
+            return
         text = _read_text(path)
         if not text.strip():
             return  # no records: the caller says there is nothing to read
@@ -100,7 +142,8 @@ def json_type(v) -> str:
 
 def _iter_jsonl(path: Path, text_field: str) -> Iterator[tuple[str, str]]:
     fix = f'each record must be one JSON object like {{"{text_field}": "..."}}'
-    for where, _, obj in iter_records(path):
+    arrow = is_dataset_dir(path) or path.suffix.lower() in ARROW_SUFFIXES
+    for where, _, obj in iter_rows(path, [text_field]) if arrow else iter_records(path):
         if not isinstance(obj, dict):
             raise UserError(f"{where}: a JSON {json_type(obj)}, not an object: {fix}")
         if text_field not in obj:
@@ -112,20 +155,29 @@ def _iter_jsonl(path: Path, text_field: str) -> Iterator[tuple[str, str]]:
         yield where, text
 
 
-def iter_documents(
-    paths: list[Path], text_field: str = "text", split_blank_lines: bool = False
-) -> Iterator[tuple[str, str]]:
-    """(location, text) of every document, in input order; empty documents included (callers skip them).
+def iter_document_pieces(
+    paths: list[Path], text_field: str = "text", text_split: str = "file"
+) -> Iterator[tuple[str, Iterator[str]]]:
+    """(location, pieces of its text) of every document, in input order; empty documents included (callers skip
+    them). A document's pieces must be consumed before the next document is asked for.
 
-    .txt: the whole file is one document, or each blank-line-separated paragraph with split_blank_lines.
-    .jsonl / .json: field `text_field` of each record.
+    .txt: the whole file, each blank-line-separated paragraph (stripped) or each line, as `text_split` says.
+    .jsonl / .json / .parquet / .arrow / save_to_disk folders: field `text_field` of each record, in one piece.
     """
+    if text_split not in TEXT_SPLITS:
+        raise UserError(f"--text-split={text_split!r}: must be one of {', '.join(TEXT_SPLITS)}")
     for p in paths:
-        if p.suffix.lower() in (".jsonl", ".json"):
-            yield from _iter_jsonl(p, text_field)
-        elif split_blank_lines:
-            paras = (para.strip() for para in re.split(r"\n[ \t]*\n", _read_text(p)))
-            # Runs of blank lines are layout, not empty documents: don't count them as skipped.
-            yield from ((f"{p}#{i}", para) for i, para in enumerate(paras) if para)
+        if p.suffix.lower() == ".txt":
+            yield from txt_documents(p, text_split)
         else:
-            yield str(p), _read_text(p)
+            yield from ((where, iter((text,))) for where, text in _iter_jsonl(p, text_field))
+
+
+def iter_documents(
+    paths: list[Path], text_field: str = "text", split_blank_lines: bool = False, text_split: str | None = None
+) -> Iterator[tuple[str, str]]:
+    """(location, text) of every document, in input order, each joined whole (`tokenizer train`; `preprocess`
+    streams the pieces instead). `text_split` defaults to paragraph with split_blank_lines, else file."""
+    text_split = text_split or ("paragraph" if split_blank_lines else "file")
+    for where, pieces in iter_document_pieces(paths, text_field, text_split):
+        yield where, "".join(pieces)

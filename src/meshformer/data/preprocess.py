@@ -1,8 +1,12 @@
-"""Text files -> a packed token dataset directory (the format `dataset.py` reads; see its docstring).
+"""Text -> a packed token dataset directory (the format `dataset.py` reads; see its docstring), or a Megatron
+indexed dataset (`--format megatron`), streamed in bounded memory: peak memory is set by the batch size, not
+the corpus.
 
-Two passes over the inputs, so memory stays flat however large the corpus:
-  1. scan: hash every document (whitespace-stripped) to find exact duplicates and pick its split;
-  2. tokenize in batches (`encode_batch_fast`, parallel in Rust) and append to {split}.bin.
+Two passes over the inputs:
+  1. scan (preprocess_scan.py): hash every document (whitespace-stripped) to find exact duplicates and pick its
+     split; one byte per document on disk, the hashes in SQLite;
+  2. tokenize in batches of units (token_stream.py: whole documents, or pieces of long ones cut where the
+     ids cannot change), in this process or in --workers processes, and append to {split}.bin as they come.
 
 Validation split. A document goes to validation when the hash of its content falls below val_fraction, so
 the choice is deterministic, independent of input order, and exact duplicates always share a split (a kept
@@ -11,20 +15,21 @@ are many documents, so below MIN_EXPECTED_VAL_DOCS expected validation documents
 0.02, where one unlucky play would be 11% of the text and most runs would get none) the split is by
 position instead: the last ceil(val_fraction * n) tokens of every document go to validation, the rest to
 training. Each part ends with EOS. Validation then covers every document's style, and is never empty.
+Megatron output has no validation split here: Megatron's `split` carves it at training time.
 
-Everything is written to a hidden sibling directory and renamed into place at the end, so a failed or
-interrupted run never leaves a half-written dataset.
+Everything is written to a hidden sibling directory and renamed into place at the end, so a failed run never
+leaves a half-written dataset; a killed one leaves that directory, and the same command run again continues
+from its last completed batch (preprocess_resume.py), to the bytes an uninterrupted run writes.
 """
 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
-import math
 import os
 import shutil
 import time
-from array import array
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -33,50 +38,33 @@ from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-from meshformer.data.documents import iter_documents, resolve_inputs
+from meshformer.data import preprocess_resume as resume
+from meshformer.data import token_stream
+from meshformer.data.documents import TEXT_SPLITS, iter_document_pieces, resolve_inputs
+from meshformer.data.packed_writer import SplitWriter, write_megatron
+from meshformer.data.preprocess_report import print_summary
+from meshformer.data.preprocess_resume import write_json
+from meshformer.data.preprocess_scan import SKIP, VAL, decisions, scan
+from meshformer.data.token_stream import Encoder, batches, cut_safe, document_units, prepare_tokenizer
 from meshformer.data.tokenizer import load_tokenizer, special_token_ids, vocab_size
 from meshformer.errors import UserError
 
 # dataset.FORMAT, repeated so `meshformer preprocess` and `tokenizer train` don't import torch (1-2 s);
 # tests assert the two are equal.
 FORMAT = "meshformer-packed-v1"
+MEGATRON_FORMAT = "megatron-indexed"
+MEGATRON_PREFIX = "text_document"
+OUTPUT_FORMATS = ("packed", "megatron")
 MIN_EXPECTED_VAL_DOCS = 10  # below this many expected validation documents, split each document by position
-BATCH_DOCS = 512  # documents per encode_batch call...
-BATCH_CHARS = 8 << 20  # ...or this many characters, whichever comes first (bounds memory with huge documents)
-
-SKIP, TRAIN, VAL = 0, 1, 2
-
-
-class _SplitWriter:
-    """Appends documents (each + EOS) to {split}.bin and records their start offsets."""
-
-    def __init__(self, directory: Path, split: str, dtype: np.dtype, eos: int):
-        self.path = directory / f"{split}.bin"
-        self.idx_path = directory / f"{split}.idx.npy"
-        self.fh = self.path.open("wb")
-        self.dtype, self.eos = dtype, np.array([eos], dtype=dtype)
-        self.offsets = array("q")
-        self.tokens = 0
-
-    def add(self, ids: np.ndarray) -> None:
-        self.offsets.append(self.tokens)
-        self.fh.write(ids.astype(self.dtype, copy=False).tobytes())
-        self.fh.write(self.eos.tobytes())
-        self.tokens += len(ids) + 1
-
-    def close(self) -> dict:
-        self.fh.close()
-        np.save(
-            self.idx_path,
-            np.frombuffer(self.offsets, dtype=np.int64) if self.offsets else np.zeros(0, dtype=np.int64),
-            allow_pickle=False,
-        )
-        return {"tokens": self.tokens, "documents": len(self.offsets)}
+BATCH_DOCS = 512  # units (documents or pieces) per batch...
+BATCH_CHARS = 8 << 20  # ...or this many characters, whichever comes first (what one worker encodes at a time)
+SPLITS = ("train", "validation")
 
 
 # Everything a dataset directory holds; --overwrite replaces only a directory made of these.
 WRITES = {"train.bin", "train.idx.npy", "validation.bin", "validation.idx.npy", "meta.json", "tokenizer.json"}
 WRITES |= {"train.mask.bin", "validation.mask.bin", "tokenizer_config.json", "chat_template.jinja"}  # data/sft.py
+WRITES |= {f"{MEGATRON_PREFIX}.bin", f"{MEGATRON_PREFIX}.idx"}  # --format megatron
 
 
 def _check_output(out: Path, overwrite: bool, keep: tuple[Path, ...] = ()) -> None:
@@ -131,43 +119,8 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _scan(paths, text_field, split_blank_lines, val_fraction, keep_duplicates) -> tuple[bytearray, dict]:
-    """Pass 1: per-document decision (SKIP/TRAIN/VAL by content hash) and counts."""
-    decisions = bytearray()
-    seen: set[bytes] = set()
-    counts = {"read": 0, "empty": 0, "duplicates": 0}
-    threshold = int(val_fraction * 2.0**64)
-    for _, text in iter_documents(paths, text_field, split_blank_lines):
-        counts["read"] += 1
-        key = text.strip()
-        if not key:
-            counts["empty"] += 1
-            decisions.append(SKIP)
-            continue
-        h = hashlib.sha256(key.encode("utf-8")).digest()
-        if h[:16] in seen:
-            counts["duplicates"] += 1
-            if not keep_duplicates:
-                decisions.append(SKIP)
-                continue
-        else:
-            seen.add(h[:16])
-        decisions.append(VAL if int.from_bytes(h[16:24], "little") < threshold else TRAIN)
-    return decisions, counts
-
-
-def _tokenize(
-    tok,
-    paths,
-    decisions: bytearray,
-    mode: str,
-    val_fraction: float,
-    writers: dict,
-    text_field: str,
-    split_blank_lines: bool,
-) -> None:
-    """Pass 2: encode the kept documents in batches and append them to their split (or both, in tail mode)."""
-    progress = Progress(
+def _progress_bar(total: int) -> Progress:
+    return Progress(
         TextColumn("tokenizing"),
         BarColumn(),
         MofNCompleteColumn(),
@@ -177,40 +130,106 @@ def _tokenize(
         disable=not Console(stderr=True).is_terminal,
         transient=True,
     )
+
+
+def _units(tok, paths, text_field: str, text_split: str, tmp: Path, seen: list[int]):
+    """Every kept document's units, in order, checked against pass 1's document count (seen[0]: documents read)."""
     changed = UserError(f"--input: {', '.join(map(str, paths))} changed while being read: re-run")
-    batch: list[tuple[str, int]] = []
-    chars = done = 0
-
-    def flush() -> None:
-        encs = tok.encode_batch_fast([t for t, _ in batch], add_special_tokens=False)
-        for enc, (_, d) in zip(encs, batch):
-            t = np.asarray(enc.ids, dtype=np.int64)
-            if mode == "tail" and len(t) >= 2:
-                m = min(len(t) - 1, math.ceil(len(t) * val_fraction))  # >= 1 token each, train keeps >= 1
-                writers["train"].add(t[: len(t) - m])
-                writers["validation"].add(t[len(t) - m :])
-            else:
-                writers["validation" if mode == "document" and d == VAL else "train"].add(t)
-        batch.clear()
-
-    with progress:
-        task = progress.add_task("tokenize", total=len(decisions))
-        for i, (_, text) in enumerate(iter_documents(paths, text_field, split_blank_lines)):
-            if i >= len(decisions):
-                raise changed
-            if decisions[i] != SKIP:
-                batch.append((text, decisions[i]))
-                chars += len(text)
-            if len(batch) >= BATCH_DOCS or chars >= BATCH_CHARS:
-                flush()
-                chars = 0
-                progress.update(task, completed=i + 1)
-            done = i + 1
-        if done != len(decisions):
+    cut, fates = cut_safe(tok), decisions(tmp)
+    for _, pieces in iter_document_pieces(paths, text_field, text_split):
+        fate = next(fates, None)
+        if fate is None:
             raise changed
-        if batch:
-            flush()
-        progress.update(task, completed=done)
+        seen[0] += 1
+        if fate == SKIP:
+            for _ in pieces:  # read past it: the next document starts where it ends
+                pass
+            continue
+        yield from document_units(pieces, fate, cut)
+    if next(fates, None) is not None:
+        raise changed
+
+
+def _tokenize(tok, paths, job: dict, mode: str, writers: dict, tmp: Path, workers: int, state: dict | None) -> None:
+    """Pass 2: encode the kept documents' units in batches and append them to their split (or both, in tail mode),
+    recording progress after each batch; `state` (a killed run's progress) skips what it already wrote."""
+    done, open_doc, seen = (state["units"], state["open"], [0]) if state else (0, None, [0])
+    units = itertools.islice(_units(tok, paths, job["text_field"], job["text_split"], tmp, seen), done, None)
+    with _progress_bar(0) as progress, Encoder(tok, writers["train"].dtype, workers) as encoder:
+        task = progress.add_task("tokenize", total=job.get("documents"))
+        for batch, ids in encoder.encode(batches(units, BATCH_DOCS, BATCH_CHARS)):
+            for unit, unit_ids in zip(batch, ids):
+                if unit.first:
+                    split = "validation" if mode == "document" and unit.decision == VAL else "train"
+                    open_doc = {"split": split, "start": writers[split].begin()}
+                writer = writers[open_doc["split"]]
+                writer.append(unit_ids)
+                if unit.last:
+                    if mode == "tail":
+                        writer.move_tail(open_doc["start"], job["val_fraction"], writers["validation"])
+                    else:
+                        writer.end()
+                    open_doc = None
+            done += len(batch)
+            splits = {s: w.state() for s, w in writers.items()}
+            write_json(tmp / resume.PROGRESS, {"units": done, "open": open_doc, "splits": splits})
+            progress.update(task, completed=seen[0])
+
+
+def _writers(tmp: Path, dtype: np.dtype, eos: int, state: dict | None) -> dict[str, SplitWriter]:
+    """The split writers, fresh or at a killed run's recorded state."""
+    return {s: SplitWriter(tmp, s, dtype, eos, state["splits"][s] if state else None) for s in SPLITS}
+
+
+def _resumable_state(tmp: Path, dtype: np.dtype) -> dict | None:
+    """A killed run's progress, if its files still hold at least what it recorded; None: start pass 2 afresh."""
+    state = resume.read_progress(tmp)
+    try:
+        for s in SPLITS:
+            st = state["splits"][s]
+            if (tmp / f"{s}.bin").stat().st_size < st["tokens"] * dtype.itemsize:
+                return None
+            if (tmp / f"{s}.idx.raw").stat().st_size < st["documents"] * 8:
+                return None
+        return state if isinstance(state["units"], int) else None
+    except (OSError, KeyError, TypeError):
+        return None
+
+
+def _temp_dir(out: Path, job: dict, console) -> tuple[Path, bool]:
+    """(this run's temporary directory, whether it continues a killed run's)."""
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    claimed = resume.claim(out, job, _alive)
+    if claimed is not None:
+        console.print(f"continuing the killed run left in {escape(str(tmp))}", soft_wrap=True)
+        return tmp, True
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    write_json(tmp / resume.JOB, job)
+    return tmp, False
+
+
+def _run_passes(tok, paths, job: dict, tmp: Path, dtype: np.dtype, eos: int, workers: int) -> tuple[dict, str, dict]:
+    """Both passes into tmp (each skipped or continued where a killed run got); (counts, split mode, splits)."""
+    counts = resume.read_scan(tmp)
+    if counts is None:
+        (tmp / resume.PROGRESS).unlink(missing_ok=True)  # pass 2 output of a scan that never finished is void
+        args = (job["text_field"], job["text_split"], job["val_fraction"], job["keep_duplicates"], tmp)
+        counts = scan(paths, *args)
+        write_json(tmp / resume.SCAN, counts)
+    mode = _split_mode(counts, job["val_fraction"], paths)
+    state = _resumable_state(tmp, dtype)
+    writers = _writers(tmp, dtype, eos, state)
+    try:
+        _tokenize(tok, paths, {**job, "documents": counts["read"]}, mode, writers, tmp, workers, state)
+        splits = {s: w.close() for s, w in writers.items()}
+    finally:
+        for w in writers.values():
+            w.fh.close()  # no-op after close(); on failure, release the files before removing them
+            w.raw.close()
+    for name in resume.SCRATCH:
+        (tmp / name).unlink(missing_ok=True)
+    return counts, mode, splits
 
 
 def preprocess(
@@ -223,35 +242,58 @@ def preprocess(
     text_field: str = "text",
     split_blank_lines: bool = False,
     console: Console | None = None,
+    *,
+    text_split: str | None = None,
+    workers: int = 0,
+    output_format: str = "packed",
 ) -> dict:
-    """Tokenize `inputs` into the packed dataset directory `output`; returns the summary (meta.json + timing).
+    """Tokenize `inputs` into the dataset directory `output`; returns the summary (meta.json + timing).
 
-    Steps: check the arguments -> load the tokenizer -> scan (dedup, split decisions) -> choose the split
-    mode -> tokenize into a hidden temporary directory -> write meta.json -> move it into place.
+    text_split: how a .txt file becomes documents (file, paragraph, line; default paragraph with
+    split_blank_lines, else file). workers: tokenizer processes (0: this process, with the tokenizer's own
+    threads). output_format: packed (meshformer's) or megatron (one text_document.bin/.idx, no validation split).
+    Steps: check the arguments -> load the tokenizer -> claim a killed run's temporary directory or make one ->
+    scan (dedup, split decisions) -> choose the split mode -> tokenize -> write meta.json -> move it into place.
     """
     t0 = time.perf_counter()
     console = console or Console()
-    paths, out, keep = prepare_output(inputs, tokenizer, output, val_fraction, overwrite, console)
+    text_split = text_split or ("paragraph" if split_blank_lines else "file")
+    if text_split not in TEXT_SPLITS:
+        raise UserError(f"--text-split={text_split!r}: must be one of {', '.join(TEXT_SPLITS)}")
+    if output_format not in OUTPUT_FORMATS:
+        raise UserError(f"--format={output_format!r}: must be one of {', '.join(OUTPUT_FORMATS)}")
+    if workers < 0:
+        raise UserError(f"--workers={workers}: must be 0 (this process) or more")
+    if output_format == "megatron" and val_fraction:
+        console.print(f"--val-fraction {val_fraction} ignored: Megatron's `split` carves validation at training time")
+        val_fraction = 0.0
+    if not 0.0 <= val_fraction < 1.0:  # also rejects NaN; prepare_output checks it again, before the temp dir
+        raise UserError(f"--val-fraction={val_fraction}: must be in [0, 1), e.g. 0.02")
     tok, tok_file, tok_bytes = _open_tokenizer(tokenizer)
     ids, vocab = special_token_ids(tok, tokenizer), vocab_size(tok)
     dtype = np.dtype("<u2") if vocab <= 1 << 16 else np.dtype("<u4")
-    decisions, counts = _scan(paths, text_field, split_blank_lines, val_fraction, keep_duplicates)
-    mode = _split_mode(decisions, val_fraction, paths)
-
+    options = dict(text_field=text_field, text_split=text_split, val_fraction=val_fraction)
+    options.update(keep_duplicates=keep_duplicates, format=output_format, eos=ids["eos"], dtype=dtype.str)
+    options.update(piece_chars=token_stream.PIECE_CHARS, cut_safe=cut_safe(tok))  # they decide the units
+    job = resume.job_description(resolve_inputs(inputs), hashlib.sha256(tok_bytes).hexdigest(), **options)
+    out = Path(output)
+    _check_output(out, overwrite, (*resolve_inputs(inputs), Path(tokenizer)))
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    writers: dict[str, _SplitWriter] = {}
+    tmp, _ = _temp_dir(out, job, console)
     try:
-        writers = {s: _SplitWriter(tmp, s, dtype, ids["eos"]) for s in ("train", "validation")}
-        _tokenize(tok, paths, decisions, mode, val_fraction, writers, text_field, split_blank_lines)
-        splits = {s: w.close() for s, w in writers.items()}
+        paths, out, keep = prepare_output(inputs, tokenizer, output, val_fraction, overwrite, console)
+        counts, mode, splits = _run_passes(tok, paths, job, tmp, dtype, ids["eos"], workers)
+        if output_format == "megatron":
+            megatron = write_megatron(tmp, "train", dtype, tmp / MEGATRON_PREFIX)
+            for s in SPLITS:
+                (tmp / f"{s}.bin").unlink()
+                (tmp / f"{s}.idx.npy").unlink()
         (tmp / "tokenizer.json").write_bytes(tok_bytes)
         meta = {
-            "format": FORMAT,
+            "format": FORMAT if output_format == "packed" else MEGATRON_FORMAT,
+            **({"prefix": MEGATRON_PREFIX, "megatron": megatron} if output_format == "megatron" else {}),
             "dtype": dtype.name,
-            "tokenizer_hash": hashlib.sha256(tok_bytes).hexdigest(),
+            "tokenizer_hash": job["tokenizer_hash"],
             "vocab_size": vocab,
             "eos_token_id": ids["eos"],
             "bos_token_id": ids["bos"],
@@ -264,16 +306,17 @@ def preprocess(
             "val_fraction": val_fraction,
             "split_mode": mode,
             "text_field": text_field,
-            "split_blank_lines": split_blank_lines,
+            "split_blank_lines": text_split == "paragraph",
+            "text_split": text_split,
         }
         meta = publish_with_meta(tmp, out, meta, paths, overwrite, keep)
-    finally:
-        for w in writers.values():
-            w.fh.close()  # no-op after close(); on failure, release the files before removing them
-        shutil.rmtree(tmp, ignore_errors=True)
+    except Exception:
+        shutil.rmtree(tmp, ignore_errors=True)  # bad input or a bug: nothing worth continuing from
+        raise
+    # A kill or Ctrl-C (not an Exception) leaves tmp for the next run of the same command to continue.
 
     summary = {**meta, "output": str(out), "seconds": round(time.perf_counter() - t0, 3)}
-    _print_summary(console, summary, tok_file)
+    print_summary(console, summary, tok_file)
     return summary
 
 
@@ -297,19 +340,15 @@ def _open_tokenizer(tokenizer: str | Path):
     tok = load_tokenizer(tokenizer)
     tok_file = Path(tokenizer) / "tokenizer.json" if Path(tokenizer).is_dir() else Path(tokenizer)
     tok_bytes = tok_file.read_bytes()
-    tok.no_padding()
-    tok.no_truncation()  # a foreign tokenizer.json may carry either; both would corrupt the stream
-    # Text that happens to contain "<|endoftext|>" must not become a real EOS in the middle of a document.
-    tok.encode_special_tokens = True
+    prepare_tokenizer(tok)  # a foreign tokenizer.json may carry padding or truncation; both would corrupt the stream
     return tok, tok_file, tok_bytes
 
 
-def _split_mode(decisions: bytearray, val_fraction: float, paths: list[Path]) -> str:
+def _split_mode(counts: dict, val_fraction: float, paths: list[Path]) -> str:
     """none (no validation), document (whole documents by hash) or tail (the end of every document)."""
-    kept = sum(1 for d in decisions if d != SKIP)
+    kept, val_docs = counts["kept"], counts["validation"]
     if kept == 0:
         raise UserError(f"--input: no text in {', '.join(map(str, paths))}: give files with text in them")
-    val_docs = decisions.count(VAL)
     if val_fraction == 0:
         return "none"
     if kept * val_fraction >= MIN_EXPECTED_VAL_DOCS and 0 < val_docs < kept:
@@ -339,31 +378,3 @@ def _publish(tmp: Path, out: Path, overwrite: bool, keep: tuple[Path, ...]) -> N
         shutil.rmtree(old)
     else:
         tmp.rename(out)
-
-
-def _print_summary(console: Console, s: dict, tok_file: Path) -> None:
-    tr, va = s["splits"]["train"], s["splits"]["validation"]
-    mode = {
-        "document": "whole documents chosen by content hash",
-        "tail": f"last {s['val_fraction']:.1%} of every document's tokens",
-        "none": "none (--val-fraction 0)",
-    }[s["split_mode"]]
-    dup = s["duplicates_found"]
-    dup_style = "bold yellow" if dup else "green"
-    dup_what = (
-        "none"
-        if not dup
-        else f"{dup} dropped"
-        if s["duplicates_removed"]
-        else f"{dup} KEPT (--keep-duplicates): repeated text makes the loss look lower than it is"
-    )
-    p = lambda text: console.print(text, soft_wrap=True)  # noqa: E731 - paths must not wrap mid-line
-    p(f"[bold]wrote {escape(s['output'])}[/bold] in {s['seconds']:.2f}s")
-    p(f"  documents   {s['documents_read']} read, {s['empty_documents_skipped']} empty skipped")
-    p(f"  duplicates  [{dup_style}]{dup} exact duplicate document(s) found: {dup_what}[/{dup_style}]")
-    p(f"  train       {tr['tokens']:,} tokens in {tr['documents']} documents")
-    p(f"  validation  {va['tokens']:,} tokens in {va['documents']} documents ({mode})")
-    p(
-        f"  tokenizer   {escape(str(tok_file))} (vocab {s['vocab_size']}, eos id {s['eos_token_id']}, "
-        f"sha256 {s['tokenizer_hash'][:12]}), stored as {s['dtype']}"
-    )
