@@ -2,6 +2,7 @@
 
 from pathlib import Path
 
+import meshformer.models  # noqa: F401 (registers the families: model_config.type's choices, as the CLI does)
 from meshformer.cli.config_cmd import iter_fields, markdown
 
 ROOT = Path(__file__).resolve().parents[1]
