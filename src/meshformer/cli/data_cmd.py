@@ -74,8 +74,9 @@ class _View:
         train_dl = cfg.train_dataset.data_loader
         self.validation = args.split == "validation"
         if self.validation:
-            own = cfg.eval_dataset.data_loader.dataset_dir or cfg.eval_dataset.data_loader.type != train_dl.type
-            dl = cfg.eval_dataset.data_loader if own else train_dl
+            from meshformer.train.data import eval_data_loader
+
+            _, dl = eval_data_loader(cfg)  # what the trainer's validation reads
             split, section = cfg.eval_dataset.split or "validation", "eval_dataset"
         else:
             dl, split, section = train_dl, cfg.train_dataset.split or "train", "train_dataset"

@@ -65,9 +65,7 @@ class TrainingData:
         self.eval_batches = None
         self.eval_micro_batch = None
         if cfg.do_eval or cfg.eval_config.eval_interval > 0:
-            # Without a location (or a format) of its own, validation reads the training data's other split.
-            own = _names_data(ev.data_loader) or ev.data_loader.type not in (dl.type, DataLoaderConfig.type)
-            eval_dl = ev.data_loader if own else dataclasses.replace(dl, packing=ev.data_loader.packing)
+            own, eval_dl = eval_data_loader(cfg)
             split = ev.split or "validation"
             self.eval_ds = open_dataset_for(eval_dl, split, self.mc.seq_length, "eval_dataset.data_loader")
             if not own and not getattr(self.eval_ds, "has_splits", True):
@@ -200,6 +198,14 @@ class TrainingData:
                 self.train_ds.load_state_dict(saved["dataset"])
             else:
                 check_same_data(saved["dataset"], now["dataset"], "train_dataset")
+
+
+def eval_data_loader(cfg: MeshformerConfig) -> tuple[bool, DataLoaderConfig]:
+    """(whether eval_dataset names data of its own, the data_loader validation reads): without a location (or a
+    format) of its own, validation reads the training data's other split."""
+    dl, ev = cfg.train_dataset.data_loader, cfg.eval_dataset.data_loader
+    own = _names_data(ev) or ev.type not in (dl.type, DataLoaderConfig.type)
+    return own, ev if own else dataclasses.replace(dl, packing=ev.packing)
 
 
 def _names_data(dl: DataLoaderConfig) -> bool:
