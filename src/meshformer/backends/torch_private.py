@@ -134,3 +134,29 @@ def pipeline_computation_type():
     from torch.distributed.pipelining.schedules import _ComputationType
 
     return _ComputationType
+
+
+def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """Row groups of `a` [rows, k] times their own matrix of `b` [groups, k, n]: group g is rows offs[g-1]..offs[g]
+    (torch._grouped_mm, torch 2.13.0). Its backward refuses a gradient with zero strides (the expanded gradient of a
+    sum), so the gradient is made contiguous first; rows past offs[-1] get no defined gradient, so callers pass
+    exactly offs[-1] rows."""
+    out = torch._grouped_mm(a, b, offs=offs)
+    if out.requires_grad:
+        out.register_hook(lambda g: g.contiguous())
+    return out
+
+
+def grouped_mm_supported(x: torch.Tensor, gate: torch.Tensor, down: torch.Tensor) -> bool:
+    """Whether torch._grouped_mm runs these expert shapes here (torch 2.13.0): fp32/bf16 (fp16 is refused on CPU),
+    every matrix's row stride 16-byte aligned (the CPU kernel requires it), and a CUDA device of compute capability
+    8.0 or more for bf16 (9.0 for fp32)."""
+    if x.dtype not in (torch.float32, torch.bfloat16):
+        return False
+    size = x.element_size()
+    if (gate.shape[-1] * size) % 16 or (down.shape[-1] * size) % 16 or (gate.shape[-2] * size) % 16:
+        return False
+    if x.device.type == "cuda":
+        major, _ = torch.cuda.get_device_capability(x.device)
+        return major >= (8 if x.dtype == torch.bfloat16 else 9)
+    return x.device.type == "cpu"

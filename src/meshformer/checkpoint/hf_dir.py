@@ -152,6 +152,8 @@ def to_meshformer_names(tensors: dict[str, torch.Tensor], tied: bool, family=Non
         ours = rename(name)
         if ours is not None:
             out[ours] = t
+    if family is not None and family.from_hf_tensors is not None:
+        out = family.from_hf_tensors(out)
     return out
 
 
@@ -160,6 +162,8 @@ def to_hf_names(state_dict: dict[str, torch.Tensor], family=None) -> dict[str, t
     from meshformer.models.registry import hf_prefixed
 
     rename = family.to_hf if family is not None else hf_prefixed
+    if family is not None and family.to_hf_tensors is not None:
+        state_dict = family.to_hf_tensors(state_dict)
     return {rename(k): v for k, v in state_dict.items()}
 
 

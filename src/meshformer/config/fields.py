@@ -59,6 +59,7 @@ class RegisteredNames:
 
 
 MODEL_TYPES = RegisteredNames()  # model_config.type's choices (models/registry.py register_family)
+MOE_MODEL_TYPES = RegisteredNames()  # the types whose family builds routed experts (ModelFamily.moe)
 
 
 class RegisteredDatasetFormats:

@@ -259,6 +259,7 @@ def load_config(
     data = read_yaml(path) if path is not None else {}
     for key, value in parse_overrides(overrides or []):
         apply_override(data, key, value)
+    _place_moe_config(data)
     cfg = from_dict(MeshformerConfig, data, (), notices if notices is not None else [])
     _apply_family_defaults(cfg, data)
     # Which model fields the file or the command line set (run_mode: finetune fills the others from the base model).
@@ -270,8 +271,33 @@ def load_config(
     return cfg
 
 
+def _place_moe_config(data: dict) -> None:
+    """MindSpore Transformers writes `moe_config` at the top level; it describes the model, so it moves under
+    model.model_config (where the families read it). Both places at once must agree."""
+    if not isinstance(data, dict) or "moe_config" not in data:
+        return
+    top = data.pop("moe_config")
+    if top is None:
+        return
+    model = data.setdefault("model", {})
+    mc = model.setdefault("model_config", {}) if isinstance(model, dict) else None
+    if not isinstance(mc, dict):
+        raise UserError("model.model_config must be a section to hold moe_config")
+    inner = mc.get("moe_config")
+    if inner is not None and inner != top:
+        raise UserError(
+            "moe_config is given at the top level and as model.model_config.moe_config with other values: keep one"
+        )
+    mc["moe_config"] = top
+
+
 # What `model_config.type` implies for the fields a file leaves out (a field the file sets always wins).
-FAMILY_DEFAULTS = {"Qwen2Config": {"qkv_has_bias": True}, "Qwen3Config": {"use_qk_norm": True}}
+FAMILY_DEFAULTS = {
+    "Qwen2Config": {"qkv_has_bias": True},
+    "Qwen3Config": {"use_qk_norm": True},
+    "Qwen2MoeConfig": {"qkv_has_bias": True},
+    "Qwen3MoeConfig": {"use_qk_norm": True},
+}
 
 
 def _apply_family_defaults(cfg: MeshformerConfig, data: dict) -> None:

@@ -4,8 +4,6 @@ builds it (config/load.py applies both while it reads a file)."""
 
 from __future__ import annotations
 
-from typing import Any
-
 # MindSpore-only keys users carry over from real configs: accepted and ignored, with one notice each.
 # MindSpore data-pipeline knobs (columns, process workers, NUMA) that both dataset sections may carry; workers and
 # prefetch are schema fields (num_parallel_workers, prefetch_size: meshformer's threads).
@@ -18,7 +16,7 @@ IGNORED_KEYS = {
     (): frozenset(
         """
         auto_trans_ckpt auto_tune autotune_per_step context eval_callbacks eval_dataset_task filepath_prefix
-        init_start_profile layer_scale load_ckpt_format lr_scale_factor metric moe_config only_save_strategy
+        init_start_profile layer_scale load_ckpt_format lr_scale_factor metric only_save_strategy
         pretrained_model_dir profile_communication remote_save_url src_strategy_path_or_dir
         train_dataset_task trainer use_legacy
         """.split()
@@ -47,26 +45,22 @@ IGNORED_KEYS = {
         use_flash_attention use_past use_past_shard
         """.split()
     ),
+    # MindSpore's MoE kernels, dispatchers and logging switches: torch picks its own kernels (moe_config.use_gmm
+    # says which expert computation runs).
+    ("model", "model_config", "moe_config"): frozenset(
+        """
+        callback_moe_droprate comp_comm_parallel comp_comm_parallel_degree enable_cold_hot_expert enable_deredundency
+        enable_gmm_safe_tokens enable_sdrop group_wise_a2a moe_shared_expert_overlap npu_nums_per_device
+        routing_policy save_token_distribution use_allgather_dispatcher use_fused_ops_permute use_fused_ops_topkrouter
+        """.split()
+    ),
 }
-
-
-def _dense_moe(v: Any) -> bool:
-    """A moe_config that describes a dense model (no block, or one expert)."""
-    if v is None:
-        return True
-    n = v.get("expert_num", 1) if isinstance(v, dict) else None
-    return n is None or (isinstance(n, int) and not isinstance(n, bool) and n <= 1)
 
 
 # MindSpore-only keys that would change the network when set: accepted (with the notice above) only at the value
 # that leaves the model as meshformer builds it, otherwise refused, since ignoring them would train a different
 # model than the file describes. (path, key) -> (value is harmless, why it is refused and what to do).
 MODEL_CHANGING_KEYS = {
-    ((), "moe_config"): (
-        _dense_moe,
-        "Mixture-of-Experts (expert_num > 1) is not supported yet: remove moe_config "
-        "or set expert_num: 1 to train the dense model",
-    ),
     (("model", "model_config"), "extend_method"): (
         lambda v: v in (None, "None", "none"),
         "rotary extension PI/NTK is not supported: use "

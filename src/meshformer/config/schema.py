@@ -33,7 +33,11 @@ class ParallelConfig:
         1, "Micro-batches per step under pipeline parallelism (4-8x pipeline_stage is typical).", gt=0
     )
     context_parallel: int = setting(1, "Context-parallel degree (reserved: only 1 is supported now).", ge=1)
-    expert_parallel: int = setting(1, "Expert-parallel degree (reserved: only 1 is supported now).", ge=1)
+    expert_parallel: int = setting(
+        1,
+        "Expert-parallel degree: MoE experts split over this many data/context-parallel ranks.",
+        ge=1,
+    )
     use_seq_parallel: bool = setting(
         False, "Sequence parallelism: shard norm/dropout activations along the sequence on the tensor-parallel group."
     )

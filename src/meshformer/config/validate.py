@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 
 from meshformer.config.schema import MeshformerConfig, ModelConfig
+from meshformer.config.validate_moe import validate_moe
 from meshformer.errors import UserError
 
 # Schedules that need at least as many micro-batches as pipeline stages.
@@ -56,6 +57,7 @@ def validate_config(cfg: MeshformerConfig) -> None:
             f"model.model_config.pet_config.lora_rank={mc.pet_config.lora_rank} is wider than any linear of the model "
             f"(at most {widest}): a rank above a linear's width adds nothing; use e.g. 8 to 64"
         )
+    validate_moe(mc)
     validate_layout(cfg, world_size=None)
     pp = cfg.parallel_config.pipeline_stage
     sel = cfg.recompute_config.select_recompute

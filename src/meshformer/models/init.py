@@ -69,6 +69,8 @@ def init_weights(model: nn.Module, seed: int, dtype: torch.dtype | None = None) 
     for m in model.modules():
         if isinstance(m, RopeTables):
             m.reset_parameters()
+        elif hasattr(m, "reset_buffers"):  # persistent buffers that are state, not weights (an MoE routing bias)
+            m.reset_buffers()
 
 
 def _draw(name: str, shape: tuple, seed: int, std: float, device: torch.device) -> torch.Tensor:

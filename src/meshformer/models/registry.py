@@ -16,7 +16,7 @@ import difflib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from meshformer.config.fields import MODEL_TYPES
+from meshformer.config.fields import MODEL_TYPES, MOE_MODEL_TYPES
 from meshformer.errors import UserError
 
 HF_HEAD = "lm_head.weight"  # every *ForCausalLM's output projection, outside the `model.` body
@@ -71,11 +71,17 @@ class ModelFamily:
     config_to_hf: Callable  # (ModelConfig, dtype name) -> a config.json transformers reads as the same model
     to_hf: Callable = hf_prefixed  # our parameter name -> Hugging Face's
     from_hf: Callable = hf_unprefixed  # Hugging Face's -> ours, or None to skip the tensor
+    # Whole-state conversion where one tensor of ours is several of Hugging Face's (stacked MoE experts): called on
+    # the renamed dict, ({name: tensor}) -> {name: tensor}. from_hf_tensors sees our names for what `from_hf` renamed
+    # and Hugging Face's for what it returned unchanged; to_hf_tensors runs before `to_hf` renames.
+    from_hf_tensors: Callable | None = None
+    to_hf_tensors: Callable | None = None
     gguf_names: dict[str, GgufArch] = field(default_factory=dict)  # GGUF architecture -> its names
     # The planner's per-layer activation count; None: planner/memory.py counts on the real (meta) modules.
     activation_model: object | None = None
     # MindSpore Transformers' names (`meshformer import MODEL.ckpt`, `export --format mindspore`); None: not converted
     mindspore_names: MindSporeNames | None = None
+    moe: bool = False  # builds routed experts from model_config.moe_config (a dense family refuses expert_num > 1)
 
     def flops_per_token(self, mc) -> float:
         """Model FLOPs per token (PaLM's appendix, as Megatron and torchtitan count them; the MFU convention):
@@ -104,6 +110,8 @@ def register_family(family: ModelFamily) -> ModelFamily:
             raise ValueError(f"model family {family.name!r} clashes with {other.name!r} ({clash or 'same name'})")
     _FAMILIES[family.name] = family
     MODEL_TYPES.add(family.config_types)
+    if family.moe:
+        MOE_MODEL_TYPES.add(family.config_types)
     return family
 
 
@@ -111,6 +119,7 @@ def unregister_family(name: str) -> None:
     gone = _FAMILIES.pop(name, None)
     if gone is not None:
         MODEL_TYPES.discard(gone.config_types)
+        MOE_MODEL_TYPES.discard(gone.config_types)
 
 
 def families() -> list[ModelFamily]:

@@ -187,9 +187,9 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     """SwiGLU: down(silu(gate(x)) * up(x))."""
 
-    def __init__(self, mc: ModelConfig):
+    def __init__(self, mc: ModelConfig, ffn: int | None = None):
         super().__init__()
-        ffn = mc.ffn_hidden_size
+        ffn = ffn or mc.ffn_hidden_size
         self.gate_proj = nn.Linear(mc.hidden_size, ffn, bias=False)
         self.up_proj = nn.Linear(mc.hidden_size, ffn, bias=False)
         self.down_proj = nn.Linear(ffn, mc.hidden_size, bias=False)
@@ -206,7 +206,11 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(mc.hidden_size, mc.rms_norm_eps, norm_dtype)
         self.self_attn = Attention(mc)
         self.post_attention_layernorm = RMSNorm(mc.hidden_size, mc.rms_norm_eps, norm_dtype)
-        self.mlp = MLP(mc)
+        self.mlp = self.make_mlp(mc, layer_idx)
+
+    def make_mlp(self, mc: ModelConfig, layer_idx: int) -> nn.Module:
+        """The feed-forward block of layer `layer_idx` (an MoE family returns its expert block where it is sparse)."""
+        return MLP(mc)
 
     def forward(self, x, rope: "RopeTables", start: int = 0, cache: KVCache | None = None, positions=None, mask=None):
         x = x + self.self_attn(self.input_layernorm(x), rope, start, cache, self.layer_idx, positions, mask)
@@ -219,12 +223,13 @@ class Transformer(nn.Module):
     # The tied output projection's matmul (F.linear's signature); a kernel choice may replace it on an instance
     # (backends/cpu.py), as it replaces the nn.Linear modules' forward.
     tied_head_linear = staticmethod(F.linear)
+    decoder_layer = DecoderLayer  # a family with other layers (MoE) subclasses with its own
 
     def __init__(self, mc: ModelConfig):
         super().__init__()
         self.config = mc
         self.embed_tokens = nn.Embedding(mc.vocab_size, mc.hidden_size)
-        self.layers = nn.ModuleDict({str(i): DecoderLayer(mc, i) for i in range(mc.num_layers)})
+        self.layers = nn.ModuleDict({str(i): self.decoder_layer(mc, i) for i in range(mc.num_layers)})
         self.norm = RMSNorm(mc.hidden_size, mc.rms_norm_eps, DTYPE[mc.layernorm_compute_dtype])
         # With tied embeddings the output projection reuses embed_tokens.weight (see output_weight()).
         self.lm_head = None if mc.tie_word_embeddings else nn.Linear(mc.hidden_size, mc.vocab_size, bias=False)

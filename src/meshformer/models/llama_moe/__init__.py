@@ -1,0 +1,21 @@
+"""The MoE Llama family (Mixtral, Qwen2-MoE, Qwen3-MoE): Llama attention with Mixture-of-Experts blocks (model.py),
+its config.json and per-expert tensor names (hf.py), and its entry in the model-family registry."""
+
+from meshformer.models.llama_moe.hf import CONFIG_TYPES, HF_MODEL_TYPES, config_from_hf, config_to_hf
+from meshformer.models.llama_moe.model import MoeDecoderLayer, MoeTransformer, param_count, tp_plan
+from meshformer.models.registry import ModelFamily, register_family
+
+LLAMA_MOE = ModelFamily(
+    name="llama_moe",
+    config_types=tuple(config_type for config_type, _ in CONFIG_TYPES.values()),
+    hf_model_types=HF_MODEL_TYPES,
+    build=MoeTransformer,
+    tp_plan=tp_plan,
+    param_count=param_count,
+    config_from_hf=config_from_hf,
+    config_to_hf=config_to_hf,
+    moe=True,
+)
+register_family(LLAMA_MOE)
+
+__all__ = ["LLAMA_MOE", "MoeDecoderLayer", "MoeTransformer", "param_count", "tp_plan"]

@@ -1,0 +1,43 @@
+"""Llama-architecture decoders with Mixture-of-Experts feed-forward blocks (Mixtral, Qwen2-MoE, Qwen3-MoE).
+
+Attention, norms, rotary and the dense MLP are the Llama family's (models/llama/model.py); a layer that
+`ModelConfig.is_moe_layer` calls sparse gets an `MoEBlock` (models/moe/) as its `mlp`. Parameter names are ours:
+`layers.N.mlp.gate.weight`, stacked `layers.N.mlp.experts.{gate,up,down}_proj`, `layers.N.mlp.shared_experts.*`;
+hf.py maps Hugging Face's per-expert names (and Mixtral's `block_sparse_moe.experts.E.w1`) both ways.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from meshformer.config.schema import ModelConfig
+from meshformer.models.llama.model import MLP, DecoderLayer, Transformer, num_params
+from meshformer.models.llama.model import tp_plan as llama_tp_plan
+from meshformer.models.moe import MoEBlock
+
+
+class MoeDecoderLayer(DecoderLayer):
+    def make_mlp(self, mc: ModelConfig, layer_idx: int) -> nn.Module:
+        return MoEBlock(mc, layer_idx) if mc.is_moe_layer(layer_idx) else MLP(mc)
+
+
+class MoeTransformer(Transformer):
+    decoder_layer = MoeDecoderLayer
+
+
+def param_count(mc: ModelConfig) -> int:
+    """Parameters of the whole model, counted on its meta-device modules (no memory is allocated)."""
+    import torch
+
+    with torch.device("meta"):
+        return num_params(MoeTransformer(mc))
+
+
+def tp_plan(model: nn.Module) -> dict[str, str]:
+    """Llama's plan for attention and dense MLPs; shared experts split like a dense MLP. Routed experts are
+    parallel/expert_parallel.py's, not tensor parallelism's."""
+    plan = llama_tp_plan(model)
+    for name in ("gate_proj", "up_proj"):
+        plan[f"layers.*.mlp.shared_experts.{name}"] = "colwise"
+    plan["layers.*.mlp.shared_experts.down_proj"] = "rowwise"
+    return plan
