@@ -136,6 +136,36 @@ def imports_with_its_logits(reference, src: Path, out: Path, capsys):
     return x, want, cfg
 
 
+def hf_tensors(d: Path) -> dict:
+    """Every tensor of a Hugging Face directory's safetensors files (the weights, shards merged)."""
+    from safetensors.torch import load_file
+
+    out = {}
+    for f in sorted(Path(d).glob("model*.safetensors")):
+        out.update(load_file(f))
+    return out
+
+
+def exports_as_the_original(src: Path, ckpt: Path, out: Path, x, want, shard: str = "150KB"):
+    """`export` ckpt to out (in shards of `shard`); assert transformers reloads it with no missing, unexpected or
+    mismatched weights and `want` logits on x (fp32, 1e-4), and that out holds src's tensors name for name, bit for
+    bit; returns the reloaded model."""
+    import torch
+    import transformers
+
+    from meshformer.cli.main import main
+
+    assert main(["export", str(ckpt), "--output", str(out), "--shard-size", shard]) == 0
+    back, info = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32, output_loading_info=True)
+    assert not any(info.values()), info
+    with torch.no_grad():
+        torch.testing.assert_close(back.eval()(x).logits, want, rtol=1e-4, atol=1e-4)
+    original, exported = hf_tensors(src), hf_tensors(out)
+    assert sorted(original) == sorted(exported)
+    assert all(torch.equal(original[k], exported[k]) for k in original)
+    return back
+
+
 def transformers_render(template: str, messages, add_generation_prompt: bool) -> str:
     """What transformers' `apply_chat_template` renders for template (a word-level tokenizer, bos <s>, eos </s>)."""
     transformers = pytest.importorskip("transformers")

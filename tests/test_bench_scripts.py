@@ -100,3 +100,25 @@ def test_ab_config_times_variants_alternating_in_one_process():
     assert [r[0] for r in rows] == ["(defaults)", variants[1]], out_text
     assert float(rows[0][2]) == 0.0
     assert abs(float(rows[0][3]) - float(rows[1][3])) < 1e-4  # recompute changes the memory, not the numbers
+
+
+def test_moe_bench_trains_grouped_and_looped_experts_to_the_same_losses(tmp_path):
+    """bench/moe.py on a tiny Qwen3-MoE: both expert modes train, from the same weights and data to the same
+    losses, with MFU against active FLOPs (the planner's count)."""
+    out = tmp_path / "rows.jsonl"
+    cmd = [sys.executable, str(ROOT / "bench" / "moe.py"), "--preset", "tiny", "--seq", "64", "--batch", "2"]
+    out_text = _run([*cmd, "--steps", "2", "--warmup", "1", "--dtype", "float32", "--json", str(out)])
+    grouped, loop = _rows(out)
+    assert (grouped["experts"], loop["experts"]) == ("grouped", "loop")
+    for row in (grouped, loop):
+        assert "error" not in row, row
+        assert row["active_params"] < row["total_params"] and row["tokens_per_s"] > 0 and 0 < row["mfu"] < 1
+        assert row["mfu"] == pytest.approx(row["flops_per_token"] * row["tokens_per_s"] / row["peak_flops"])
+    for key in ("loss_first", "loss_last"):
+        assert grouped[key] == pytest.approx(loop[key], rel=1e-5)
+    assert "| tiny | 2 | 64 x 2 | float32 | grouped |" in out_text and "grouped / loop tokens/s:" in out_text
+    layer = tmp_path / "layer.jsonl"
+    _run([*cmd, "--steps", "2", "--warmup", "0", "--dtype", "float32", "--layer-only", "--json", str(layer)])
+    rows = _rows(layer)
+    assert [r["experts"] for r in rows] == ["grouped", "loop"]
+    assert all(r["rows"] == 2 * 64 * 2 and r["best_s"] > 0 and r["tflop_per_s"] > 0 for r in rows)

@@ -11,9 +11,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
-from conftest import HF_SMALL, TINY_HF_LLAMA, checksums, imports_with_its_logits, save_hf_model, tokens
+from conftest import (
+    HF_SMALL,
+    TINY_HF_LLAMA,
+    checksums,
+    exports_as_the_original,
+    imports_with_its_logits,
+    save_hf_model,
+    tokens,
+)
 from meshformer.checkpoint import parity
 from meshformer.checkpoint.inference import load_for_inference
 from meshformer.cli.main import main
@@ -42,13 +49,6 @@ def hf_model(family: str, overrides: dict, out: Path, tokenizer_dir: Path):
     return save_hf_model(out, tokenizer_dir, {**HF_SMALL, **overrides}, family, shard="100KB")
 
 
-def hf_tensors(d: Path) -> dict[str, torch.Tensor]:
-    out = {}
-    for f in sorted(d.glob("*.safetensors")):
-        out.update(load_file(f))
-    return out
-
-
 @pytest.mark.parametrize("case", list(CASES))
 def test_import_export_round_trip_matches_transformers(case, tmp_path, tokenizer_dir, capsys):
     family, overrides = CASES[case]
@@ -56,17 +56,7 @@ def test_import_export_round_trip_matches_transformers(case, tmp_path, tokenizer
     reference = hf_model(family, overrides, src, tokenizer_dir)
     assert len(list(src.glob("*.safetensors"))) > 1  # really sharded, with an index
     x, want, _ = imports_with_its_logits(reference, src, tmp_path / "ckpt", capsys)
-
-    assert main(["export", str(tmp_path / "ckpt"), "--output", str(tmp_path / "out"), "--shard-size", "150KB"]) == 0
-    back, info = transformers.AutoModelForCausalLM.from_pretrained(
-        tmp_path / "out", dtype=torch.float32, output_loading_info=True
-    )
-    assert not any(info.values()), info  # no missing, unexpected or mismatched weights
-    with torch.no_grad():
-        torch.testing.assert_close(back.eval()(x).logits, want, rtol=1e-4, atol=1e-4)
-    original, exported = hf_tensors(src), hf_tensors(tmp_path / "out")
-    assert sorted(original) == sorted(exported)
-    assert all(torch.equal(original[k], exported[k]) for k in original)  # bit for bit
+    exports_as_the_original(src, tmp_path / "ckpt", tmp_path / "out", x, want)  # same logits, tensors bit for bit
     tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "out")
     assert tok.eos_token == "<|endoftext|>" and tok("to be").input_ids  # the tokenizer travels along
 

@@ -66,3 +66,9 @@ def test_pipeline_and_memory_history_names_exist():
     assert {"FORWARD", "FULL_BACKWARD", "BACKWARD_INPUT", "BACKWARD_WEIGHT"} <= set(kinds.__members__)
     # CUDA-only at run time; on this build the two names must still resolve, as the profile window calls them.
     assert callable(torch.cuda.memory._record_memory_history) and callable(torch.cuda.memory._dump_snapshot)
+
+
+def test_all_gather_autograd_exists():
+    from torch.distributed import _functional_collectives as fc
+
+    assert callable(fc.all_gather_single_autograd) and callable(tp.all_gather_autograd)

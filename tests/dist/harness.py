@@ -17,6 +17,7 @@ from meshformer.models.transforms import ModelTransform
 from meshformer.parallel import init_parallel
 from meshformer.train.loss_scale import LossScaler
 from meshformer.train.memory import MemoryMeter
+from meshformer.train.moe_balance import MoeBalanceHook
 from meshformer.train.optim import Optimizers, Schedule
 from meshformer.train.step import build_parts, clip_threshold, evaluate, train_step
 
@@ -105,6 +106,29 @@ CASES = {
                              P + "micro_batch_num": 2, P + "optimizer_shard": True, P + "use_seq_parallel": True,
                              "recompute_config.recompute": True}, 4),
 }
+# Expert parallelism, run with the "moe" variant: ep borrows the parameter-sharding data-parallel ranks.
+EP_CASES = {
+    "fsdp2_ep2": ({P + "data_parallel": 2, P + "optimizer_shard": True, P + "expert_parallel": 2}, 1),
+    "fsdp2_ep2_rc_accum": ({P + "data_parallel": 2, P + "optimizer_shard": True, P + "expert_parallel": 2,
+                            "recompute_config.recompute": True}, 2),
+    "fsdp2_ep2_sel": ({P + "data_parallel": 2, P + "optimizer_shard": True, P + "expert_parallel": 2,
+                       "recompute_config.select_recompute": True}, 2),
+    "fsdp4_ep4": ({P + "data_parallel": 4, P + "optimizer_shard": True, P + "expert_parallel": 4}, 1),
+    "fsdp4_ep2_accum": ({P + "data_parallel": 4, P + "optimizer_shard": True, P + "expert_parallel": 2}, 2),
+    "hsdp2x2_ep2": ({P + "data_parallel": 4, "optimizer.optimizer_parallel": 2, P + "expert_parallel": 2}, 1),
+    "fsdp2xtp2_ep2": ({P + "data_parallel": 2, P + "optimizer_shard": True, P + "model_parallel": 2,
+                       P + "expert_parallel": 2}, 2),
+    "fsdp2xtp2_sp_ep2_sel": ({P + "data_parallel": 2, P + "optimizer_shard": True, P + "model_parallel": 2,
+                              P + "use_seq_parallel": True, P + "expert_parallel": 2,
+                              "recompute_config.select_recompute": True}, 1),
+    "fsdp2xpp2_ep2": ({P + "data_parallel": 2, P + "optimizer_shard": True, P + "pipeline_stage": 2,
+                       P + "micro_batch_num": 4, P + "expert_parallel": 2}, 4),
+    "fsdp8_ep4_accum": ({P + "data_parallel": 8, P + "optimizer_shard": True, P + "expert_parallel": 4}, 2),
+    "fsdp4xtp2_ep4_rc": ({P + "data_parallel": 4, P + "optimizer_shard": True, P + "model_parallel": 2,
+                          P + "expert_parallel": 4, "recompute_config.recompute": True}, 1),
+    "fsdp2xtp2xpp2_ep2": ({P + "data_parallel": 2, P + "optimizer_shard": True, P + "model_parallel": 2,
+                           P + "pipeline_stage": 2, P + "micro_batch_num": 2, P + "expert_parallel": 2}, 2),
+}
 # Variants of the model (each has its own single-process reference).
 VARIANTS = {
     "fp32": {},
@@ -120,6 +144,53 @@ VARIANTS = {
     },
     "packed": {},  # fp32, every row packs several documents (batches(packed=True)): document masking
     "compiled": {"compile": True},  # fp32, every decoder layer through torch.compile (Inductor's C++ on a CPU)
+    # Qwen3-MoE-shaped: every layer 8 routed experts, top-2 (the expert-parallel cases)
+    "moe": {
+        "model.model_config.type": "Qwen3MoeConfig",
+        "model.model_config.moe_config.expert_num": 8,
+        "model.model_config.moe_config.num_experts_chosen": 2,
+        "model.model_config.moe_config.moe_intermediate_size": 32,
+    },
+}
+# The MoE model with every balancing term: global-batch and sequence-wise losses, z-loss, the routing-bias update
+# (a rate large enough to move the routes within the run); "moe_bal_seq" without the global-batch loss, which
+# pipeline parallelism refuses.
+BALANCE = {
+    **VARIANTS["moe"],
+    "model.model_config.moe_config.aux_loss_types": ["global_batch", "sequence"],
+    "model.model_config.moe_config.aux_loss_factors": [0.01, 0.001],
+    "model.model_config.moe_config.z_loss_factor": 0.001,
+    "model.model_config.moe_config.balance_via_topk_bias": True,
+    "model.model_config.moe_config.topk_bias_update_rate": 0.01,
+}
+VARIANTS["moe_bal"] = BALANCE
+# LoRA on attention and on the dense MLP of layer 0 (mlp_only_layers); routers and experts frozen.
+VARIANTS["moe_lora"] = {
+    **VARIANTS["moe"],
+    **VARIANTS["lora"],
+    "model.model_config.moe_config.mlp_only_layers": [0],
+}
+VARIANTS["moe_bf16"] = {**VARIANTS["moe"], **VARIANTS["bf16"]}
+# DeepSeek-V3-shaped: latent attention (low-rank queries, YaRN, interleaved rotary), a shared expert, sigmoid routing with the score-correction bias (moved by the
+# bias update), group-limited top-k, routed scaling, the first layer dense; sequence-wise balancing loss.
+_M, _E = "model.model_config.", "model.model_config.moe_config."
+VARIANTS["deepseek_v3"] = {
+    _M + "type": "DeepseekV3Config", _M + "qkv_has_bias": False, _M + "use_qk_norm": False,
+    _M + "q_lora_rank": 32, _M + "kv_lora_rank": 16, _M + "qk_rope_head_dim": 8, _M + "qk_nope_head_dim": 16,
+    _M + "v_head_dim": 12, _M + "rope_interleave": True, _M + "rope_scaling.type": "yarn",
+    _M + "rope_scaling.factor": 4.0, _M + "rope_scaling.original_max_position_embeddings": 8,
+    _M + "rope_scaling.mscale_all_dim": 1.0,
+    _E + "expert_num": 8, _E + "num_experts_chosen": 2, _E + "moe_intermediate_size": 32, _E + "shared_expert_num": 1,
+    _E + "use_gating_sigmoid": True, _E + "topk_method": "noaux_tc", _E + "n_group": 4, _E + "topk_group": 2,
+    _E + "routed_scaling_factor": 2.5, _E + "first_k_dense_replace": 1,
+    _E + "aux_loss_types": ["sequence"], _E + "aux_loss_factors": [0.001],
+    _E + "balance_via_topk_bias": True, _E + "topk_bias_update_rate": 0.01,
+}  # fmt: skip
+MOE_VARIANTS = ("moe", "moe_bal", "moe_bal_seq", "moe_lora", "moe_bf16", "deepseek_v3")  # tests/test_expert_parallel.py
+VARIANTS["moe_bal_seq"] = {
+    **BALANCE,
+    "model.model_config.moe_config.aux_loss_types": ["sequence"],
+    "model.model_config.moe_config.aux_loss_factors": [0.001],
 }
 
 
@@ -150,8 +221,13 @@ def _wrap_decoder_linears(model: nn.Module, cfg) -> None:
 VARIANT_TRANSFORMS = {"wrapped": [ModelTransform("wrap decoder linears", lambda cfg: True, _wrap_decoder_linears)]}
 
 
+def spec_of(case: str) -> tuple[dict, int]:
+    """(overrides, micro-batches) of a case of CASES or EP_CASES."""
+    return CASES[case] if case in CASES else EP_CASES[case]
+
+
 def world_of(case: str) -> int:
-    o = CASES[case][0]
+    o = spec_of(case)[0]
     return o.get(P + "data_parallel", 1) * o.get(P + "model_parallel", 1) * o.get(P + "pipeline_stage", 1)
 
 
@@ -180,35 +256,88 @@ def run(cfg, env, n_micro: int, transforms=None, packed: bool = False) -> tuple[
     built = build_parts(cfg, env, transforms)
     opt = Optimizers(built.parts.parts, cfg)
     meter = MemoryMeter(env, built.parts, opt)
-    scaler = LossScaler.from_config(cfg)  # fp16: the trainer's dynamic loss scaling
     memory = {}
-    schedule = Schedule(opt, cfg, STEPS)
-    ignore = cfg.model.model_config.ignore_token_id
-    inputs, labels, documents = batches(packed)
-    per = GLOBAL_BATCH // env.dp_size
-    rows = slice(env.dp_rank * per, (env.dp_rank + 1) * per)
-    docs = (lambda step: None) if documents is None else (lambda step: documents[step, rows].to(env.device))
-    out = []
-    for step in range(STEPS):
-        schedule.apply(step)
-        r = train_step(built.parts, opt, env, inputs[step, rows].to(env.device), labels[step, rows].to(env.device),
-                       n_micro=n_micro, ignore_index=ignore, max_grad_norm=clip_threshold(cfg), documents=docs(step),
-                       hooks=[meter], step=step + 1, loss_scale=scaler.scale)
-        scaler.update(not r.skipped)
-        out.append((r.loss, r.grad_norm))
+
+    def measure(step: int) -> None:
+        nonlocal memory
         if step < 2:  # the second step's measurement (train/memory.py: MEASURED_STEPS)
             memory = {"stage": env.pp_rank, **meter.record()}
-    # Validation loss after training (forward only): the first global batch again.
-    first = [(inputs[0, rows].to(env.device), labels[0, rows].to(env.device), docs(0))]
-    out.append((evaluate(built.parts, env, first, per // n_micro, ignore), 0.0))
-    return out, memory
+
+    out = train_steps(built.parts, opt, cfg, env, n_micro, range(STEPS), packed, hooks=[meter], after=measure)
+    biases = router_biases(built.parts)
+    if biases:  # MoE routing biases after the last update, by layer (each pipeline stage has its own)
+        memory["router_biases"] = biases
+    return out + [(evaluate_first(built.parts, cfg, env, n_micro, packed), 0.0)], memory
+
+
+def router_biases(parts) -> dict[str, list[float]]:
+    from meshformer.models.init import canonical_name
+
+    # Under tensor parallelism the bias is a DTensor replicated over tp: its local tensor is the whole bias.
+    return {
+        canonical_name(name): (buf.to_local() if hasattr(buf, "to_local") else buf).tolist()
+        for part in parts.parts
+        for name, buf in part.named_buffers()
+        if name.endswith("e_score_correction_bias")
+    }
+
+
+def rows_of(env) -> slice:
+    """This data-parallel rank's contiguous slice of the global batch."""
+    per = GLOBAL_BATCH // env.dp_size
+    return slice(env.dp_rank * per, (env.dp_rank + 1) * per)
+
+
+def train_steps(parts, opt, cfg, env, n_micro: int, steps: range, packed: bool = False, hooks=(), after=None):
+    """The trainer's step on the fixed batches of `steps`: [(loss, grad norm, *auxiliary losses by name)] per step.
+    MoE models get the trainer's balancing hook (loads, bias update), as the Trainer registers it."""
+    balance = MoeBalanceHook.for_run(cfg, parts, env)
+    hooks = [*hooks, *([balance] if balance is not None else [])]
+    scaler = LossScaler.from_config(cfg)  # fp16: the trainer's dynamic loss scaling
+    schedule = Schedule(opt, cfg, STEPS)
+    inputs, labels, documents = batches(packed)
+    rows = rows_of(env)
+    out = []
+    for step in steps:
+        schedule.apply(step)
+        docs = None if documents is None else documents[step, rows].to(env.device)
+        r = train_step(parts, opt, env, inputs[step, rows].to(env.device), labels[step, rows].to(env.device),
+                       n_micro=n_micro, ignore_index=cfg.model.model_config.ignore_token_id,
+                       max_grad_norm=clip_threshold(cfg), documents=docs, hooks=list(hooks), step=step + 1,
+                       loss_scale=scaler.scale)
+        scaler.update(not r.skipped)
+        out.append((r.loss, r.grad_norm, *(r.aux_losses[k] for k in sorted(r.aux_losses))))
+        if after is not None:
+            after(step)
+    return out
+
+
+def evaluate_first(parts, cfg, env, n_micro: int, packed: bool = False) -> float:
+    """Validation loss (forward only) of the first global batch."""
+    inputs, labels, documents = batches(packed)
+    rows = rows_of(env)
+    docs = None if documents is None else documents[0, rows].to(env.device)
+    first = [(inputs[0, rows].to(env.device), labels[0, rows].to(env.device), docs)]
+    per = GLOBAL_BATCH // env.dp_size
+    return evaluate(parts, env, first, per // n_micro, cfg.model.model_config.ignore_token_id)
 
 
 def run_case(case: str, variant: str = "fp32", world_size: int | None = None):
     """(results on this rank, env, this rank's memory). world_size=1 with case=None: the single-process reference."""
-    overrides = {**VARIANTS[variant], **(CASES[case][0] if case else {})}
+    overrides = {**VARIANTS[variant], **(spec_of(case)[0] if case else {})}
     cfg = make_cfg(overrides)
     env = init_parallel(cfg, world_size)
-    n_micro = CASES[case][1] if case else 1
+    n_micro = spec_of(case)[1] if case else 1
     out, memory = run(cfg, env, n_micro, VARIANT_TRANSFORMS.get(variant), packed=variant == "packed")
     return out, env, memory
+
+
+def write_results(env, results: dict, out_path) -> None:
+    """Every rank's findings merged into one json file by rank 0 (each job has its own metrics rank), then shut
+    the process group down: the end of a worker's launch."""
+    import json
+
+    gathered = env.all_gather_object(results)
+    if env.rank == 0:
+        out_path.write_text(json.dumps({k: v for r in gathered for k, v in r.items()}))
+    env.shutdown()

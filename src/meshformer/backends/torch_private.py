@@ -69,6 +69,30 @@ def functional_collective_ops() -> list:
     return [getattr(ns, n) for n in names if ns is not None and hasattr(ns, n)]
 
 
+def all_gather_autograd(t: torch.Tensor, dim: int, group) -> torch.Tensor:
+    """`t` of every rank of `group` concatenated along `dim`, differentiable: the backward reduce-scatters (sums)
+    the gradient back to each rank's piece (torch.distributed._functional_collectives.all_gather_single_autograd,
+    torch 2.13.0; works on gloo)."""
+    from torch.distributed._functional_collectives import all_gather_single_autograd
+
+    return all_gather_single_autograd(t, dim, group)
+
+
+def all_to_all_autograd(t: torch.Tensor, output_split_sizes, input_split_sizes, group) -> torch.Tensor:
+    """Rows of `t` scattered to the ranks of `group` by `input_split_sizes`, theirs received by
+    `output_split_sizes`, differentiable: the backward sends the gradients back the same way
+    (torch.distributed._functional_collectives.all_to_all_single_autograd, torch 2.13.0; works on gloo)."""
+    from torch.distributed._functional_collectives import all_to_all_single_autograd
+
+    return all_to_all_single_autograd(t, output_split_sizes, input_split_sizes, group)
+
+
+def grouped_mm_op():
+    """The aten op behind `grouped_mm` (torch.ops.aten._grouped_mm, torch 2.13.0), whose outputs selective
+    recompute keeps."""
+    return torch.ops.aten._grouped_mm
+
+
 def attention_kernel_ops() -> list:
     """The aten ops behind F.scaled_dot_product_attention's kernels (torch.ops.aten._scaled_dot_product_*, torch
     2.13.0): the flash (CUDA and CPU), memory-efficient and cuDNN kernels, whose outputs selective recompute keeps."""
@@ -140,11 +164,21 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Te
     """Row groups of `a` [rows, k] times their own matrix of `b` [groups, k, n]: group g is rows offs[g-1]..offs[g]
     (torch._grouped_mm, torch 2.13.0). Its backward refuses a gradient with zero strides (the expanded gradient of a
     sum), so the gradient is made contiguous first; rows past offs[-1] get no defined gradient, so callers pass
-    exactly offs[-1] rows."""
+    exactly offs[-1] rows. Under torch.compile only bf16 is traced: the op's fake-tensor rule refuses fp32 (the
+    eager CPU kernel runs it), so an fp32 call runs eagerly, a graph break."""
+    if a.dtype != torch.bfloat16 and torch.compiler.is_compiling():
+        return _eager_grouped_mm(a, b, offs)
+    return _grouped_mm(a, b, offs)
+
+
+def _grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     out = torch._grouped_mm(a, b, offs=offs)
     if out.requires_grad:
         out.register_hook(lambda g: g.contiguous())
     return out
+
+
+_eager_grouped_mm = torch.compiler.disable(_grouped_mm)
 
 
 def grouped_mm_supported(x: torch.Tensor, gate: torch.Tensor, down: torch.Tensor) -> bool:

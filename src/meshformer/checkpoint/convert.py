@@ -258,7 +258,7 @@ def export_model(
         else:
             state = merged_state_dict(model) if lora_wanted(cfg) else model.state_dict()
             family = family_of(cfg.model.model_config)
-            tensors = {k: v.to(DTYPE[dtype]) for k, v in to_hf_names(state, family).items()}
+            tensors = {k: v.to(DTYPE[dtype]) for k, v in to_hf_names(state, family, cfg.model.model_config).items()}
             write_hf_dir(tmp, hf_cfg, tensors, tok_json, tok_cfg, shard_bytes=shard_bytes)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -292,7 +292,9 @@ def _export_gguf(ckpt: Path, out: Path, dtype: str, gguf_type: str) -> Path:
     state = merged_state_dict(model) if lora_wanted(cfg) else model.state_dict()
     out.parent.mkdir(parents=True, exist_ok=True)
     family = family_of(cfg.model.model_config)
-    return write_gguf(out, hf_cfg, to_hf_names(state, family), tok_json, tok_cfg, qtype=gguf_type)
+    return write_gguf(
+        out, hf_cfg, to_hf_names(state, family, cfg.model.model_config), tok_json, tok_cfg, qtype=gguf_type
+    )
 
 
 def export_mindspore(checkpoint: str | Path, output: str | Path, dtype: str = "float32", fused: bool = False):

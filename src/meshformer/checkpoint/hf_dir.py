@@ -157,14 +157,14 @@ def to_meshformer_names(tensors: dict[str, torch.Tensor], tied: bool, family=Non
     return out
 
 
-def to_hf_names(state_dict: dict[str, torch.Tensor], family=None) -> dict[str, torch.Tensor]:
-    """Our names -> Hugging Face's through the family's adapter (None: a `*ForCausalLM` with a `model.` body)."""
+def to_hf_names(state_dict: dict[str, torch.Tensor], family=None, mc=None) -> dict[str, torch.Tensor]:
+    """Our names -> Hugging Face's through the family's adapter (None: a `*ForCausalLM` with a `model.` body);
+    with the model config `mc`, a family's per-architecture renaming (`to_hf_for`) where it has one."""
     from meshformer.models.registry import hf_prefixed
 
-    rename = family.to_hf if family is not None else hf_prefixed
-    if family is not None and family.to_hf_tensors is not None:
-        state_dict = family.to_hf_tensors(state_dict)
-    return {rename(k): v for k, v in state_dict.items()}
+    if family is None:
+        return {hf_prefixed(k): v for k, v in state_dict.items()}
+    return family.to_hf_state(state_dict, mc)
 
 
 def write_hf_dir(

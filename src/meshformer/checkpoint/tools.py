@@ -155,15 +155,25 @@ def _write_optimizer(ckpt: Path, where: Path) -> int:
     from safetensors.torch import save_file
 
     from meshformer.checkpoint.hf_dir import to_hf_names
+    from meshformer.config.load import load_config
+    from meshformer.models import family_of
 
     if not (ckpt / "optim").is_dir():
         raise UserError(f"checkpoint {str(ckpt)!r} holds no optimizer state (an import?): drop --optimizer")
     meta = store.tensor_metadata(ckpt / "optim")
     target = {k: torch.empty(tuple(v.size), dtype=v.properties.dtype) for k, v in meta.items()}
     store.dcp_call(dcp.load, target, storage_reader=dcp.HuggingFaceStorageReader(str(ckpt / "optim")))
+    mc = load_config(ckpt / "config.yaml").model.model_config
+    family = family_of(mc)
     out = {}
     for key, t in target.items():
         param, stat = key.removeprefix("state.").rsplit(".", 1)
-        out[f"state.{next(iter(to_hf_names({param: t})))}.{stat}"] = t.contiguous()
+        # a stacked expert's moments split per expert like the weight (models/llama_moe/hf.py), its step counter
+        # repeated for each
+        repeat = t.dim() == 0 and ".experts." in param and mc.is_moe
+        if repeat:
+            t = t.expand(mc.moe_config.expert_num)
+        for name, part in to_hf_names({param: t}, family, mc).items():
+            out[f"state.{name}.{stat}"] = part.clone() if repeat else part.contiguous()
     save_file(out, str(where), metadata={"format": "pt", "source": str(ckpt)})
     return len(out)

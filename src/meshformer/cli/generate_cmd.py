@@ -127,7 +127,8 @@ def check_cache_fits(max_new_tokens: int, rows: int, model) -> None:
     import torch
 
     mc, p = model.config, next(model.parameters())
-    per_token = 2 * mc.num_layers * mc.num_kv_heads * mc.dim_per_head * p.element_size() * rows
+    width = mc.kv_lora_rank + mc.qk_rope_head_dim if mc.uses_mla else 2 * mc.num_kv_heads * mc.dim_per_head
+    per_token = mc.num_layers * width * p.element_size() * rows  # latent attention caches its latent (mla.py)
     if p.device.type == "cuda":
         free = torch.cuda.mem_get_info(p.device)[0]
     else:

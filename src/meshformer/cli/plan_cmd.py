@@ -52,7 +52,7 @@ def build(args):
 
     cfg = load_config(args.config, getattr(args, "overrides", []))
     pc = cfg.parallel_config
-    devices = args.devices or pc.data_parallel * pc.model_parallel * pc.pipeline_stage
+    devices = args.devices or pc.data_parallel * pc.model_parallel * pc.pipeline_stage * pc.context_parallel
     if args.nodes < 1 or devices % args.nodes:
         raise UserError(f"--nodes {args.nodes}: must be >= 1 and divide the {devices} devices")
     if args.device_memory is not None and args.device_memory <= 0:
@@ -123,12 +123,24 @@ def print_plan(plan) -> None:
         )
     console.print(t)
     c = d["communication_bytes_per_step"]
+    ep = f", ep {c['ep'] / 1e9:.2f} GB" if c["ep"] else ""
     console.print(
         f"step: {d['flops_per_step'] / 1e15:.2f} PFLOP model ({d['flops_per_token'] / 1e9:.2f} GFLOP/token, "
-        f"6N + 12·L·h·s, causal not halved); communication per rank: tp {c['tp'] / 1e9:.2f} GB, dp "
-        f"{c['dp'] / 1e9:.2f} GB, pp {c['pp'] / 1e9:.2f} GB; bubble {d['bubble_fraction']:.1%}",
+        f"6N{'_active' if d['moe'] else ''} + 12·L·h·s, causal not halved); communication per rank: tp "
+        f"{c['tp'] / 1e9:.2f} GB, dp "
+        f"{c['dp'] / 1e9:.2f} GB, pp {c['pp'] / 1e9:.2f} GB{ep}; bubble {d['bubble_fraction']:.1%}",
         soft_wrap=True,
     )
+    if d["moe"] is not None:
+        m = d["moe"]
+        console.print(
+            f"MoE: {m['total_params'] / 1e9:.2f}B parameters, {m['active_params'] / 1e9:.2f}B active per token (the "
+            f"FLOPs above); {m['routed_params'] / 1e9:.2f}B in routed experts, {m['experts_per_rank']} experts of "
+            f"each of {m['moe_layers']} MoE layers per rank (expert_parallel {lay['expert_parallel']}, expert FSDP "
+            f"{lay['expert_fsdp']}): {m['routed_params_per_rank'] / 1e9:.2f}B routed parameters per rank; "
+            f"all-to-all {c['ep'] / 1e9:.2f} GB per rank and step, buffers {m['a2a_buffer_bytes'] / GIB:.2f} GiB",
+            soft_wrap=True,
+        )
     verdict = "[green]fits[/green]" if d["fits"] else "[red]does not fit[/red]"
     console.print(
         f"predicted: {d['step_time_s']:.3f} s/step, {d['tokens_per_s']:,.0f} tokens/s "

@@ -60,6 +60,7 @@ class RegisteredNames:
 
 MODEL_TYPES = RegisteredNames()  # model_config.type's choices (models/registry.py register_family)
 MOE_MODEL_TYPES = RegisteredNames()  # the types whose family builds routed experts (ModelFamily.moe)
+LATENT_ATTENTION_TYPES = RegisteredNames()  # the types built with latent attention (ModelFamily.latent_attention)
 
 
 class RegisteredDatasetFormats:

@@ -264,7 +264,8 @@ def load_config(
     _apply_family_defaults(cfg, data)
     # Which model fields the file or the command line set (run_mode: finetune fills the others from the base model).
     given = ((data.get("model") or {}).get("model_config") or {}) if isinstance(data.get("model"), dict) else {}
-    cfg.given_model_fields = frozenset(given)
+    inner = given.get("moe_config") if isinstance(given, dict) else None
+    cfg.given_model_fields = frozenset(given) | {f"moe_config.{k}" for k in (inner if isinstance(inner, dict) else ())}
     from meshformer.config.validate import validate_config
 
     validate_config(cfg)

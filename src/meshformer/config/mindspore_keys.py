@@ -22,6 +22,8 @@ IGNORED_KEYS = {
         """.split()
     ),
     ("parallel",): frozenset({"strategy_ckpt_config", "dataset_strategy"}),
+    # The Ulysses share of hybrid_cp, which context_parallel_algo refuses: only colossalai_cp runs.
+    ("parallel_config",): frozenset({"ulysses_degree_in_cp"}),
     ("train_dataset",): _DATASET_IGNORED,
     ("eval_dataset",): _DATASET_IGNORED,
     # MindSpore's sharding of a loader over devices: meshformer splits every global batch over data_parallel itself.

@@ -23,7 +23,11 @@ class RopeScalingConfig:
     )
     beta_fast: float = setting(32.0, "yarn scaling: rotations below which frequencies are interpolated fully.", gt=0)
     beta_slow: float = setting(1.0, "yarn scaling: rotations above which frequencies are kept.", gt=0)
-    mscale: float = setting(1.0, "yarn scaling: attention temperature factor (Hugging Face mscale).", ge=0)
+    mscale: float = setting(
+        1.0,
+        "yarn scaling: cos/sin x mscale(factor, mscale) / mscale(factor, mscale_all_dim), as HF (0: not given).",
+        ge=0,
+    )
     mscale_all_dim: float = setting(
         0.0, "yarn scaling: softmax scale x (0.1 mscale_all_dim ln(factor) + 1)^2 (DeepSeek; 0: none).", ge=0
     )

@@ -32,7 +32,15 @@ class ParallelConfig:
     micro_batch_num: int = setting(
         1, "Micro-batches per step under pipeline parallelism (4-8x pipeline_stage is typical).", gt=0
     )
-    context_parallel: int = setting(1, "Context-parallel degree (reserved: only 1 is supported now).", ge=1)
+    context_parallel: int = setting(
+        1, "Context-parallel degree: every row's sequence split over this many ranks (2 chunks each).", ge=1
+    )
+    context_parallel_algo: str = setting(
+        "colossalai_cp",
+        "Context-parallel attention (MindSpore names): colossalai_cp all-gathers keys and values (ulysses_cp and "
+        "hybrid_cp are refused: not built yet).",
+        choices=("colossalai_cp", "ulysses_cp", "hybrid_cp"),
+    )
     expert_parallel: int = setting(
         1,
         "Expert-parallel degree: MoE experts split over this many data/context-parallel ranks.",

@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 
 from meshformer.config.schema import MeshformerConfig, ModelConfig
-from meshformer.config.validate_moe import validate_moe
+from meshformer.config.validate_moe import aux_losses, validate_moe
 from meshformer.errors import UserError
 
 # Schedules that need at least as many micro-batches as pipeline stages.
@@ -57,7 +57,7 @@ def validate_config(cfg: MeshformerConfig) -> None:
             f"model.model_config.pet_config.lora_rank={mc.pet_config.lora_rank} is wider than any linear of the model "
             f"(at most {widest}): a rank above a linear's width adds nothing; use e.g. 8 to 64"
         )
-    validate_moe(mc)
+    validate_moe(mc, cfg.parallel_config.pipeline_stage)
     validate_layout(cfg, world_size=None)
     pp = cfg.parallel_config.pipeline_stage
     sel = cfg.recompute_config.select_recompute
@@ -206,17 +206,22 @@ def validate_layout(cfg: MeshformerConfig, world_size: int | None) -> None:
     """The parallel degrees against the model and (when known) the number of processes."""
     pc, mc = cfg.parallel_config, cfg.model.model_config
     check_not_yet(cfg)
-    dp, tp, pp = pc.data_parallel, pc.model_parallel, pc.pipeline_stage
-    if world_size is not None and dp * tp * pp != world_size:
+    check_expert_parallel(cfg)
+    dp, tp, pp, cp = pc.data_parallel, pc.model_parallel, pc.pipeline_stage, pc.context_parallel
+    if world_size is not None and dp * tp * pp * cp != world_size:
+        rest = world_size // cp if world_size % cp == 0 else world_size  # the alternatives keep cp when they can
         alts = [
-            f"dp{d}xmp{t}xpp{p}"
-            for t in _divisors(world_size)
-            for p in _divisors(world_size // t)
-            for d in [world_size // (t * p)]
+            f"dp{d}xmp{t}xpp{p}" + (f"xcp{cp}" if rest != world_size else "")
+            for t in _divisors(rest)
+            for p in _divisors(rest // t)
+            for d in [rest // (t * p)]
             if _tp_fits(mc, t) and p <= mc.num_layers
         ]
+        names, shape = "data_parallel x model_parallel x pipeline_stage", f"{dp}x{tp}x{pp}"
+        if cp > 1:
+            names, shape = names + " x context_parallel", shape + f"x{cp}"
         raise UserError(
-            f"parallel_config: data_parallel x model_parallel x pipeline_stage = {dp}x{tp}x{pp} = {dp * tp * pp} "
+            f"parallel_config: {names} = {shape} = {dp * tp * pp * cp} "
             f"but {world_size} processes were started: use e.g. {', '.join(alts[:6])}"
         )
     if tp > 1:
@@ -261,20 +266,86 @@ def validate_layout(cfg: MeshformerConfig, world_size: int | None) -> None:
 
 
 def check_not_yet(cfg: MeshformerConfig) -> None:
-    """Degrees whose mesh is laid out (parallel/dims.py) but whose technique does not run yet: refused first, so
-    the world-size product below never counts them."""
-    pc = cfg.parallel_config
-    if pc.context_parallel != 1:
+    """Degrees whose mesh is laid out (parallel/dims.py) but whose technique does not run yet in this combination:
+    refused first, one line each."""
+    check_context_parallel(cfg)
+
+
+# What context parallelism is proven with (tests/test_context_parallel.py); each other combination is refused.
+CP_ALGOS = ("colossalai_cp",)
+
+
+def check_context_parallel(cfg: MeshformerConfig) -> None:
+    """context_parallel (cp) splits every row over cp ranks in 2·cp chunks (parallel/context_parallel.py): the row
+    must split evenly, and the combinations not proven yet are refused."""
+    pc, mc = cfg.parallel_config, cfg.model.model_config
+    cp = pc.context_parallel
+    if cp == 1:
+        return
+    head = f"parallel_config.context_parallel={cp}"
+    if pc.context_parallel_algo not in CP_ALGOS:
         raise UserError(
-            f"parallel_config.context_parallel={pc.context_parallel}: context parallelism is not yet supported: "
-            "set context_parallel: 1; for long sequences use model_parallel with use_seq_parallel: true and "
-            "recompute_config.recompute"
+            f"parallel_config.context_parallel_algo={pc.context_parallel_algo} is not yet supported: use "
+            f"colossalai_cp (all-gathered keys and values, load-balanced chunks)"
         )
-    if pc.expert_parallel != 1:
+    if mc.seq_length % (2 * cp):
+        fits = [d for d in _divisors(mc.seq_length // 2) if d > 1][:6]
         raise UserError(
-            f"parallel_config.expert_parallel={pc.expert_parallel}: expert parallelism is not yet supported (no "
-            "model here has routed experts): set expert_parallel: 1; to spread a large model use "
-            "parallel_config.optimizer_shard: true, model_parallel or pipeline_stage"
+            f"{head}: model.model_config.seq_length={mc.seq_length} does not split into 2 x {cp} = {2 * cp} equal "
+            f"chunks: make seq_length a multiple of {2 * cp}, or choose context_parallel from {fits}"
+        )
+    not_yet = [
+        (
+            mc.is_moe and "sequence" in aux_losses(mc),
+            "the sequence-wise balancing loss (moe_config.aux_loss_types: sequence; it would see only a rank's "
+            "tokens of each row)",
+            "global_batch balancing",
+        ),
+        (mc.uses_mla, "latent attention (q_lora_rank/kv_lora_rank)", "a Llama-style attention"),
+        (cfg.compile is True, "compile: true", "compile: auto or false"),
+        (cfg.swap_config.swap, "swap_config.swap: true", "recompute_config.recompute"),
+    ]
+    for bad, what, fix in not_yet:
+        if bad:
+            raise UserError(f"{head} with {what} is not yet supported: use {fix}, or context_parallel: 1")
+
+
+def shard_degree(cfg: MeshformerConfig) -> int:
+    """Size of the optimizer-shard (FSDP) group; 1 means plain replicated data parallel (DDP)."""
+    pc = cfg.parallel_config
+    op = cfg.optimizer.optimizer_parallel
+    if op > 0:
+        return op
+    if pc.optimizer_shard or cfg.parallel.enable_parallel_optimizer:
+        return pc.data_parallel
+    return 1
+
+
+def check_expert_parallel(cfg: MeshformerConfig) -> None:
+    """expert_parallel (ep) splits each MoE layer's experts over ranks it borrows from the parameter-sharding
+    data-parallel ranks x context_parallel (parallel/dims.py): it needs routed experts, must divide their number,
+    and must divide the ranks it borrows. Tensor-parallel ranks are not borrowed: experts stay whole on each."""
+    pc, m = cfg.parallel_config, cfg.model.model_config.moe_config
+    ep = pc.expert_parallel
+    if ep == 1:
+        return
+    if not cfg.model.model_config.is_moe:
+        raise UserError(
+            f"parallel_config.expert_parallel={ep} but the model is dense (model.model_config.moe_config.expert_num="
+            f"{m.expert_num}): set expert_parallel: 1, or train an MoE model"
+        )
+    if m.expert_num % ep:
+        raise UserError(
+            f"parallel_config.expert_parallel={ep} must divide moe_config.expert_num={m.expert_num}: choose "
+            f"expert_parallel from {_divisors(m.expert_num)}"
+        )
+    borrowed = shard_degree(cfg) * pc.context_parallel
+    if borrowed % ep:
+        raise UserError(
+            f"parallel_config.expert_parallel={ep} must divide the ranks it borrows, the parameter-sharding data-"
+            f"parallel ranks x context_parallel = {borrowed}: set parallel_config.optimizer_shard: true with "
+            f"data_parallel a multiple of {ep} (or optimizer.optimizer_parallel), or choose expert_parallel from "
+            f"{[d for d in _divisors(borrowed) if m.expert_num % d == 0]}"
         )
 
 

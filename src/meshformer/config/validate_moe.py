@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from meshformer.config.fields import MODEL_TYPES, MOE_MODEL_TYPES
+from meshformer.config.fields import LATENT_ATTENTION_TYPES, MODEL_TYPES, MOE_MODEL_TYPES
 from meshformer.config.model_schema import ModelConfig
 from meshformer.config.moe_schema import AUX_LOSS_TYPES
 from meshformer.errors import UserError
@@ -24,7 +24,30 @@ def aux_losses(mc: ModelConfig) -> dict[str, float]:
     return out
 
 
-def validate_moe(mc: ModelConfig) -> None:
+def validate_latent_attention(mc: ModelConfig) -> None:
+    """Latent attention and YaRN rotary are the fields of the families that build them (DeepSeek); anywhere else
+    they would be ignored silently, so they are refused."""
+    if not len(MODEL_TYPES):  # no family registered yet: the family's build refuses what it cannot build
+        return
+    latent = mc.type in LATENT_ATTENTION_TYPES
+    where = "model.model_config"
+    if not latent and (mc.kv_lora_rank is not None or mc.q_lora_rank is not None):
+        field = "kv_lora_rank" if mc.kv_lora_rank is not None else "q_lora_rank"
+        raise UserError(
+            f"{where}.{field}={getattr(mc, field)}: latent attention is built by the types "
+            f"{', '.join(LATENT_ATTENTION_TYPES)}, not {mc.type}: choose one of them or remove {field}"
+        )
+    if not latent and mc.rope_scaling.type == "yarn":
+        raise UserError(
+            f"{where}.rope_scaling.type=yarn is built for the types {', '.join(LATENT_ATTENTION_TYPES)}, not "
+            f"{mc.type}: use llama3 or none"
+        )
+    if latent and mc.kv_lora_rank is None:
+        raise UserError(f"{where}.type={mc.type} uses latent attention: set {where}.kv_lora_rank (e.g. 512)")
+
+
+def validate_moe(mc: ModelConfig, pipeline_stage: int = 1) -> None:
+    validate_latent_attention(mc)
     m = mc.moe_config
     # MOE_MODEL_TYPES is filled as the families register (the CLI imports them first); while it is empty the
     # registry's own lookup and the family's build refuse what they cannot build.
@@ -63,8 +86,9 @@ def validate_moe(mc: ModelConfig) -> None:
             f"{M}.aux_loss_types has {len(m.aux_loss_types)} entries and aux_loss_factors {len(m.aux_loss_factors)}: "
             f"give one coefficient per loss type"
         )
-    for kind in m.aux_loss_types:
-        if AUX_LOSS_ALIASES.get(kind, kind) not in AUX_LOSS_TYPES:
+    for kind, coef in zip(m.aux_loss_types, m.aux_loss_factors):
+        # a loss meshformer does not compute (MindSpore's device, comm) adds nothing at coefficient 0: accepted
+        if AUX_LOSS_ALIASES.get(kind, kind) not in AUX_LOSS_TYPES and coef != 0:
             raise UserError(
                 f"{M}.aux_loss_types: {kind!r} is not a balancing loss here: choose from {', '.join(AUX_LOSS_TYPES)} "
                 f"(MindSpore's device and comm losses balance NPU links meshformer does not model)"
@@ -72,6 +96,11 @@ def validate_moe(mc: ModelConfig) -> None:
     for f in m.aux_loss_factors:
         if not isinstance(f, (int, float)) or isinstance(f, bool) or f < 0:
             raise UserError(f"{M}.aux_loss_factors: {f!r} is not a non-negative number")
+    if pipeline_stage > 1 and "global_batch" in aux_losses(mc):
+        raise UserError(
+            f"{M}: the global_batch balancing loss needs a routing pre-pass that pipeline parallelism cannot run "
+            f"yet (pipeline_stage={pipeline_stage}): use aux_loss_types: [sequence] or balance_via_topk_bias"
+        )
     bad = [i for i in m.mlp_only_layers if not isinstance(i, int) or not 0 <= i < mc.num_layers]
     if bad:
         raise UserError(f"{M}.mlp_only_layers: {bad} are not layer indices of the {mc.num_layers} layers")

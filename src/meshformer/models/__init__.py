@@ -1,8 +1,8 @@
 """Model definitions: plain nn.Modules with no parallel code, one folder per family, found through the registry.
 
-Importing this package registers the built-in families (models/llama/, models/llama_moe/)."""
+Importing this package registers the built-in families (models/llama/, models/llama_moe/, models/deepseek/)."""
 
-from meshformer.models import llama_moe  # noqa: F401  (registers the MoE Llama family)
+from meshformer.models import deepseek, llama_moe  # noqa: F401  (register the DeepSeek and MoE Llama families)
 from meshformer.models.init import build_model, create_model, init_weights, materialize
 from meshformer.models.llama import KVCache, Transformer, num_params
 from meshformer.models.registry import ModelFamily, families, family_for_hf, family_of, register_family

@@ -34,15 +34,22 @@ MIN_BLOCK = 64  # fastest on the CPU measured: 32 leaves the matmuls too small, 
 
 
 def blocked_causal_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block: int = 0, mask: torch.Tensor | None = None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    block: int = 0,
+    mask: torch.Tensor | None = None,
+    scale: float | None = None,
 ) -> torch.Tensor:
-    """q [b, heads, s, d], k and v [b, kv_heads, s, d] -> [b, heads, s, d] (laid out [b, s, heads, d], as the
-    flash kernel lays its output, so that merging the heads is a view); causal, scale 1/sqrt(d).
+    """q and k [b, heads / kv_heads, s, d], v [b, kv_heads, s, dv] -> [b, heads, s, dv] (laid out [b, s, heads, dv],
+    as the flash kernel lays its output, so that merging the heads is a view); causal, scale 1/sqrt(d) unless given
+    (latent attention's values are narrower than its keys, and YaRN changes its scale).
     block: query rows per block (0: MIN_BLOCK, raised so that there are at most MAX_BLOCKS).
     mask: [b, 1, s, s], True where a query may attend (packed documents: `llama.document_layout`); it must be
     causal itself, since the keys after each block are skipped."""
     b, h, s, d = q.shape
-    kv = k.shape[1]
+    kv, dv = k.shape[1], v.shape[-1]
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
     g = h // kv
     block = block or max(MIN_BLOCK, -(-s // MAX_BLOCKS))
     acc = torch.promote_types(q.dtype, torch.float32)
@@ -51,25 +58,28 @@ def blocked_causal_attention(
         i1 = min(i0 + block, s)
         n = i1 - i0
         rows = q[:, :, i0:i1].reshape(b, kv, g * n, d)  # the group's heads stacked: one matmul per kv head
-        scores = torch.matmul(rows, k[:, :, :i1].transpose(-1, -2)).to(acc) * (1.0 / math.sqrt(d))
+        scores = torch.matmul(rows, k[:, :, :i1].transpose(-1, -2)).to(acc) * scale
         if mask is None:
             allowed = torch.ones(n, i1, dtype=torch.bool, device=q.device).tril(i0).repeat(g, 1)  # keys <= query
         else:
             allowed = mask[:, :, i0:i1, :i1].repeat(1, 1, g, 1)  # the group's rows: the same mask each
         scores = scores.masked_fill(~allowed, float("-inf"))
         probs = torch.softmax(scores, -1).to(v.dtype)
-        outs.append(torch.matmul(probs, v[:, :, :i1]).reshape(b, h, n, d).transpose(1, 2))
+        outs.append(torch.matmul(probs, v[:, :, :i1]).reshape(b, h, n, dv).transpose(1, 2))
     return torch.cat(outs, 1).transpose(1, 2)
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None):
+def causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None, scale: float | None = None
+):
     """Causal self-attention over whole rows (training, a prompt's prefill): q [b, heads, s, d], k and v
-    [b, kv_heads, s, d]; mask: a causal [b, 1, s, s] (packed documents) or None. Compiled on a CPU: the blocked
+    [b, kv_heads, s, d] (v may be narrower); mask: a causal [b, 1, s, s] (packed documents) or None; scale: of q.k
+    (None: 1/sqrt(d)). Compiled on a CPU: the blocked
     kernel above, checkpointed. Eager (its element-wise passes over the scores are not fused there, and it is no
     faster than flash) and on GPUs (whose flash kernels are fast): torch's SDPA."""
     if BLOCKED_ON_CPU and q.device.type == "cpu" and torch.compiler.is_compiling() and type(q) is torch.Tensor:
-        return torch.utils.checkpoint.checkpoint(blocked_causal_attention, q, k, v, 0, mask, use_reentrant=False)
+        return torch.utils.checkpoint.checkpoint(blocked_causal_attention, q, k, v, 0, mask, scale, use_reentrant=False)
     gqa = q.shape[1] != k.shape[1]
     if mask is not None:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa, scale=scale)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa, scale=scale)

@@ -9,6 +9,14 @@ Names follow PEFT's: the wrapped linear is `base_layer`, the factors `lora_A` an
 `base_model.model.model.`. Loading base weights into a LoRA model maps `q_proj.weight` to `q_proj.base_layer.weight`
 (`base_name`).
 
+Mixture-of-Experts models: attention, dense MLPs and shared experts are linears and take adapters; routed experts
+(stacked 3-D parameters, `mlp.experts.gate_proj` [E, F, D]) and routers never do. A target that matches them as well
+as linears adapts the linears only; one that matches nothing but experts or routers is refused in one line. PEFT
+adapter keys are the family's Hugging Face module names. peft 0.21 on transformers 5 reads the targets gate_proj /
+up_proj / down_proj of an MoE model as its routed experts (`_convert_peft_config_moe`, made for adapters trained on
+transformers 4's per-expert linears), so an MoE adapter on dense or shared-expert MLPs has no PEFT form: `export`
+refuses it in one line and `--merge-lora` writes the full model instead.
+
 Tensor parallelism (`tp_subplan`): for a column-parallel W (q/k/v, gate/up) A is replicated and B split by output
 rows like W, so B A x lands on the same output shard; for a row-parallel W (o, down) A is split by input columns
 like W (its r-wide partial sums are all-reduced: r numbers per token, not d_out) and B replicated.
@@ -102,6 +110,14 @@ def apply_lora(model: nn.Module, cfg: MeshformerConfig) -> None:
             )
             wrapped += 1
     if not wrapped:
+        moe = [n for n, _ in model.named_parameters() if ".mlp.experts." in n or n.endswith(".mlp.gate.weight")]
+        hit = next((n for n in moe if matches(n) or matches(n.removesuffix(".weight"))), None)
+        if hit is not None:
+            raise UserError(
+                f"model.model_config.pet_config.target_modules={pc.target_modules!r} matches only routed experts or "
+                f"routers ({hit}): they are stacked parameters, not linears, and take no LoRA; target attention, "
+                f"dense MLPs or shared experts, e.g. [q_proj, k_proj, v_proj, o_proj]"
+            )
         names = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, nn.Linear)})
         raise UserError(
             f"model.model_config.pet_config.target_modules={pc.target_modules!r} matches no decoder linear "
@@ -122,7 +138,7 @@ def base_name(key: str) -> str | None:
     return None if is_lora_key(key) else key.replace(".base_layer.", ".")
 
 
-PEFT_PREFIX = "base_model.model.model."
+PEFT_ROOT = "base_model.model."  # PEFT wraps the *ForCausalLM: its keys are this + Hugging Face's names
 
 
 def lora_layers(model: nn.Module) -> dict[str, LoRALinear]:
@@ -144,12 +160,26 @@ def peft_adapter(model: nn.Module, cfg: MeshformerConfig, base: str | None) -> t
     """(adapter_config.json, adapter_model.safetensors tensors) as PEFT writes them for a causal LM; `base` is the
     Hugging Face id or directory AutoPeftModelForCausalLM loads the base model from (None: unknown, as PEFT writes
     it for a model not loaded from the hub)."""
-    pc = cfg.model.model_config.pet_config
+    from meshformer.models.registry import family_of
+
+    mc = cfg.model.model_config
+    pc = mc.pet_config
     layers = lora_layers(model)
+    family = family_of(mc)
+    mlp = next((path for path in layers if ".mlp." in path), None)
+    if family.moe and mlp is not None:
+        raise UserError(
+            f"a PEFT adapter of {mc.type} cannot hold {mlp}: peft (0.21, transformers 5) reads an MoE model's "
+            f"gate_proj/up_proj/down_proj targets as its routed experts, so it would load onto other weights; export "
+            f"with --merge-lora (the full model), or adapt attention only (target_modules: [q_proj, k_proj, v_proj, "
+            f"o_proj])"
+        )
     tensors = {}
     for path, layer in layers.items():
+        # the linear's Hugging Face module path: the family's names (`model.` + ours for Llama)
+        hf_path = next(iter(family.to_hf_state({f"{path}.weight": layer.lora_A.weight}, mc))).removesuffix(".weight")
         for part in LORA_PARTS:
-            tensors[f"{PEFT_PREFIX}{path}.{part}.weight"] = getattr(layer, part).weight.detach()
+            tensors[f"{PEFT_ROOT}{hf_path}.{part}.weight"] = getattr(layer, part).weight.detach()
     config = {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",

@@ -16,7 +16,7 @@ import difflib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from meshformer.config.fields import MODEL_TYPES, MOE_MODEL_TYPES
+from meshformer.config.fields import LATENT_ATTENTION_TYPES, MODEL_TYPES, MOE_MODEL_TYPES
 from meshformer.errors import UserError
 
 HF_HEAD = "lm_head.weight"  # every *ForCausalLM's output projection, outside the `model.` body
@@ -76,22 +76,50 @@ class ModelFamily:
     # and Hugging Face's for what it returned unchanged; to_hf_tensors runs before `to_hf` renames.
     from_hf_tensors: Callable | None = None
     to_hf_tensors: Callable | None = None
+    # A family whose architectures name tensors differently (llama_moe: Mixtral's block_sparse_moe.experts.E.w1,
+    # Qwen's mlp.experts.E.gate_proj): (ModelConfig) -> ({our name: tensor}) -> {Hugging Face name: tensor}, the
+    # whole export renaming; when set it replaces to_hf_tensors and to_hf wherever the config is known.
+    to_hf_for: Callable | None = None
     gguf_names: dict[str, GgufArch] = field(default_factory=dict)  # GGUF architecture -> its names
     # The planner's per-layer activation count; None: planner/memory.py counts on the real (meta) modules.
     activation_model: object | None = None
     # MindSpore Transformers' names (`meshformer import MODEL.ckpt`, `export --format mindspore`); None: not converted
     mindspore_names: MindSporeNames | None = None
     moe: bool = False  # builds routed experts from model_config.moe_config (a dense family refuses expert_num > 1)
+    # builds latent attention (kv_lora_rank, ...) and YaRN rotary; other families refuse those fields
+    latent_attention: bool = False
+
+    def to_hf_state(self, state: dict, mc=None) -> dict:
+        """Our state dict -> Hugging Face's names on disk: the architecture's renaming where the family has one
+        (`to_hf_for`) and the config is given, else `to_hf_tensors` then `to_hf`."""
+        if self.to_hf_for is not None and mc is not None:
+            return self.to_hf_for(mc)(state)
+        if self.to_hf_tensors is not None:
+            state = self.to_hf_tensors(state)
+        return {self.to_hf(k): v for k, v in state.items()}
+
+    def active_param_count(self, mc) -> int:
+        """Parameters one token passes through: all of them for a dense model; for an MoE model everything but the
+        routed experts it is not sent to (top-k of each layer's experts; models/moe/params.py counts them on the
+        family's meta-device modules)."""
+        if not (self.moe and mc.is_moe):
+            return self.param_count(mc)
+        from meshformer.models.moe.params import active_param_count
+
+        return active_param_count(self, mc)
 
     def flops_per_token(self, mc) -> float:
         """Model FLOPs per token (PaLM's appendix, as Megatron and torchtitan count them; the MFU convention):
         6 x every parameter that does a matmul per token (all but the input embedding, which is a lookup, plus the
-        output projection, tied to that embedding or not) + 12 x layers x heads x head_dim x seq_length for the
-        attention scores (not halved for causality). Recompute is overhead, not model work: not counted."""
+        output projection, tied to that embedding or not; of an MoE model the active ones: top-k routed experts)
+        + 6 x layers x heads x (q/k head width + v head width) x seq_length for the attention scores and their
+        weighted sum, i.e. 12 x layers x heads x head_dim x seq_length when q, k and v are as wide (not halved for
+        causality). Recompute is overhead, not model work: not counted."""
         embedding = mc.vocab_size * mc.hidden_size
         head = embedding if mc.tie_word_embeddings else 0  # an untied head is in param_count already
-        matmul = self.param_count(mc) - embedding + head
-        return 6 * matmul + 12 * mc.num_layers * mc.num_heads * mc.dim_per_head * mc.seq_length
+        matmul = self.active_param_count(mc) - embedding + head
+        qk, v = (mc.qk_head_dim, mc.v_head_dim) if mc.uses_mla else (mc.dim_per_head, mc.dim_per_head)
+        return 6 * matmul + 6 * mc.num_layers * mc.num_heads * (qk + v) * mc.seq_length
 
 
 _FAMILIES: dict[str, ModelFamily] = {}
@@ -112,6 +140,8 @@ def register_family(family: ModelFamily) -> ModelFamily:
     MODEL_TYPES.add(family.config_types)
     if family.moe:
         MOE_MODEL_TYPES.add(family.config_types)
+    if family.latent_attention:
+        LATENT_ATTENTION_TYPES.add(family.config_types)
     return family
 
 
@@ -120,6 +150,7 @@ def unregister_family(name: str) -> None:
     if gone is not None:
         MODEL_TYPES.discard(gone.config_types)
         MOE_MODEL_TYPES.discard(gone.config_types)
+        LATENT_ATTENTION_TYPES.discard(gone.config_types)
 
 
 def families() -> list[ModelFamily]:

@@ -9,7 +9,10 @@
   live sharded, so memory per rank for them falls by the shard degree.
 
 Each decoder layer is its own FSDP unit (one all-gather / reduce-scatter per layer, overlapped with compute)
-and the root module takes the rest (embedding, final norm, output projection).
+and the root module takes the rest (embedding, final norm, output projection). Under expert parallelism (which
+always shards: ep borrows dp_shard ranks) each layer's routed experts are a unit of their own on the expert mesh,
+over "efsdp" (HSDP with "dp_replicate"), sharded along their feature dim (dim 0 is ep's), and the dense units
+ignore them (`shard_experts`).
 `recompute_config.parallel_optimizer_comm_recompute` picks when parameters are re-sharded: false keeps them
 gathered from forward to backward (ZeRO-2-like, less communication), true frees them after forward and
 all-gathers again in backward (ZeRO-3, less memory). `parallel_config.cpu_offload` keeps the shards, their
@@ -56,6 +59,9 @@ def apply_data_parallel(model: nn.Module, cfg: MeshformerConfig, env: ParallelEn
         kw = {"mp_policy": mp}
         if cfg.parallel_config.cpu_offload:  # shards, gradients and optimizer states in host memory
             kw["offload_policy"] = CPUOffloadPolicy(pin_memory=env.device.type == "cuda")
+        ignored = shard_experts(model, env, reshard, kw)
+        if ignored:
+            kw["ignored_params"] = ignored
         for layer in layers:
             fully_shard(layer, mesh=mesh, reshard_after_forward=reshard, **kw)
         # The root's parameters (embedding, norm, head) are used last in forward and first in backward:
@@ -67,6 +73,26 @@ def apply_data_parallel(model: nn.Module, cfg: MeshformerConfig, env: ParallelEn
         for layer in layers:
             replicate(layer, mesh=mesh, mp_policy=mp)
         replicate(model, mesh=mesh, mp_policy=mp)
+
+
+def shard_experts(model: nn.Module, env: ParallelEnv, reshard: bool, kw: dict) -> set:
+    """Under expert parallelism: FSDP of each routed expert layer over what ep leaves of the data-parallel ranks
+    ("efsdp", with "dp_replicate" as HSDP), on the experts' own mesh. Returns the expert weights the dense units
+    must ignore: all of them (each expert layer is its own unit, or, with nothing left to shard over, stays as
+    expert parallelism made it). Their gradient scaling is parallel/expert_parallel.py's."""
+    if env.dims.ep == 1:
+        return set()
+    from torch.distributed.tensor import Shard
+
+    from meshformer.parallel.expert_parallel import expert_params, routed_experts
+
+    replicas = env.dp_replicate_size
+    if env.mesh_size("efsdp") * replicas > 1:
+        mesh = env.mesh_for("dp_replicate", "efsdp") if replicas > 1 else env.mesh_for("efsdp")
+        for experts in routed_experts(model):
+            # dim 0 is ep's; FSDP splits the features (uneven sizes are padded)
+            fully_shard(experts, mesh=mesh, reshard_after_forward=reshard, shard_placement_fn=lambda p: Shard(1), **kw)
+    return expert_params(model)
 
 
 def set_grad_sync(parts: list[nn.Module], sync: bool) -> None:

@@ -20,9 +20,10 @@ Named meshes are the groups a technique communicates over, each a product of dim
 
 Routed experts see the same ranks through a second shape, EXPERT_MESH_DIMS = ("pp", "dp_replicate", "efsdp",
 "ep", "etp") (torchtitan's sparse mesh): `ep` ranks split one MoE layer's experts and are borrowed from the
-dense dp_shard x cp x tp ranks (from dp_shard x cp only when etp = tp: experts then keep the dense layers'
-tensor parallelism on `etp`), and `efsdp` shards the experts by FSDP over what ep leaves, so
-efsdp x ep x etp = dp_shard x cp x tp.
+dense dp_shard x cp x tp ranks (from dp_shard x cp only when etp = tp), and `efsdp` shards the experts by FSDP
+over what ep leaves, so efsdp x ep x etp = dp_shard x cp x tp. A configured run sets etp = tp under expert
+parallelism (`from_config`): the ranks of one etp group see the same tokens and hold the same experts, whole
+(parallel/expert_parallel.py), so ep never splits a tensor-parallel group's tokens.
 
 A new dimension is one field here, one name in MESH_DIMS (or EXPERT_MESH_DIMS) at its place in the nesting, and
 the named meshes that include it in NAMED_MESHES; rank arithmetic stays in this file.
@@ -34,7 +35,7 @@ import math
 from dataclasses import dataclass
 
 from meshformer.config.schema import MeshformerConfig
-from meshformer.config.validate import V_SCHEDULES, validate_run
+from meshformer.config.validate import V_SCHEDULES, shard_degree, validate_run
 from meshformer.errors import UserError
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
@@ -52,17 +53,6 @@ NAMED_MESHES: dict[str, tuple[str, tuple[str, ...]]] = {
     "ep": ("expert", ("ep",)),
     "etp": ("expert", ("etp",)),
 }
-
-
-def shard_degree(cfg: MeshformerConfig) -> int:
-    """Size of the optimizer-shard (FSDP) group; 1 means plain replicated data parallel (DDP)."""
-    pc = cfg.parallel_config
-    op = cfg.optimizer.optimizer_parallel
-    if op > 0:
-        return op
-    if pc.optimizer_shard or cfg.parallel.enable_parallel_optimizer:
-        return pc.data_parallel
-    return 1
 
 
 def _divisors(n: int) -> list[int]:
@@ -128,6 +118,8 @@ class ParallelDims:
                 cp=pc.context_parallel,
                 tp=pc.model_parallel,
                 ep=pc.expert_parallel,
+                # Routed experts stay whole on every tensor-parallel rank (etp = tp): ep borrows dp_shard x cp only.
+                etp=pc.model_parallel if pc.expert_parallel > 1 else 1,
                 last_stage_pp_rank=0 if pc.pipeline_schedule in V_SCHEDULES else pp - 1,
             )
         except ValueError as e:  # validate_run names the config fields first; this is the last word

@@ -5,8 +5,10 @@ process group, asks torch for the dense mesh of `dims.mesh_shape` over MESH_DIMS
 "dp_shard", "cp", "tp"; a size-1 dim is still a mesh dim), flattens the named meshes that span several dims
 ("batch", "loss", "fsdp") with `backends.torch_private.flatten_mesh`, and checks that torch placed this rank where
 `dims.coords` and `dims.mesh_groups` say. `mesh_for(name)` hands a technique its mesh and `reduce_sum(t, name)`
-sums over one (the loss and token counts over "loss"). The routed experts' mesh (ep, efsdp) exists as rank lists in
-`dims` only until expert parallelism runs. Single-process runs (no torchrun) get a ParallelEnv with every degree 1
+sums over one (the loss and token counts over "loss"). Under expert parallelism (ep > 1) a second DeviceMesh over
+EXPERT_MESH_DIMS ("pp", "dp_replicate", "efsdp", "ep", "etp") lays the same ranks out as routed experts see them;
+`mesh_for("ep")`, `mesh_for("efsdp")` and `mesh_for("dp_replicate", "efsdp")` (HSDP of experts) come from it.
+Single-process runs (no torchrun) get a ParallelEnv with every degree 1
 and no process group.
 """
 
@@ -23,7 +25,7 @@ import torch.distributed as dist
 from meshformer.backends.torch_private import flatten_mesh
 from meshformer.config.schema import MeshformerConfig
 from meshformer.errors import UserError
-from meshformer.parallel.dims import MESH_DIMS, NAMED_MESHES, ParallelDims
+from meshformer.parallel.dims import EXPERT_MESH_DIMS, MESH_DIMS, NAMED_MESHES, ParallelDims
 from meshformer.parallel.peers import Peers
 
 FLATTENED = ("batch", "loss", "fsdp")  # the named meshes that span several dense dims, flattened once per mesh
@@ -38,6 +40,7 @@ class ParallelEnv:
     backend: str = ""
     mesh: object | None = None  # torch.distributed DeviceMesh over MESH_DIMS
     flat_meshes: dict = field(default_factory=dict)  # "batch", "loss", "fsdp": flattened once, kept (build_meshes)
+    expert_mesh: object | None = None  # DeviceMesh over EXPERT_MESH_DIMS, only under expert parallelism
     peers: Peers | None = None  # heartbeats in the launcher's store, to name a dead or hung rank
     coords: dict = field(init=False)
 
@@ -82,11 +85,12 @@ class ParallelEnv:
         for name in names:
             if name not in NAMED_MESHES:
                 raise ValueError(f"unknown mesh {name!r}: one of {', '.join(NAMED_MESHES)}")
-            if NAMED_MESHES[name][0] != "dense":
-                raise NotImplementedError(
-                    f"the {name!r} mesh is built with expert parallelism; until then its ranks are "
-                    f"dims.mesh_groups({name!r})"
+        if any(NAMED_MESHES[n][0] == "expert" for n in names):
+            if self.expert_mesh is None:
+                raise RuntimeError(
+                    f"the {names} mesh exists under expert parallelism only (parallel_config.expert_parallel > 1)"
                 )
+            return self.expert_mesh[names[0]] if len(names) == 1 else self.expert_mesh[names]
         if len(names) == 1:
             name = "batch" if names[0] == "dp" else names[0]
             return self.flat_meshes[name] if name in self.flat_meshes else self.mesh[name]
@@ -255,6 +259,7 @@ def init_parallel(cfg: MeshformerConfig, world_size: int | None = None) -> Paral
         )
     mesh, flat = build_meshes(dims, device.type)
     env = ParallelEnv(
+        expert_mesh=build_expert_mesh(dims, device.type),
         dims=dims,
         rank=dist.get_rank(),
         local_rank=int(os.environ.get("LOCAL_RANK", "0")),
@@ -278,12 +283,25 @@ def build_meshes(dims: ParallelDims, device_type: str) -> tuple[object, dict]:
     return mesh, flat
 
 
+def build_expert_mesh(dims: ParallelDims, device_type: str):
+    """The DeviceMesh over EXPERT_MESH_DIMS (the same ranks, as routed experts see them), or None without expert
+    parallelism. Collective: every rank calls it."""
+    if dims.ep == 1:
+        return None
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(device_type, dims.expert_mesh_shape, mesh_dim_names=EXPERT_MESH_DIMS)
+
+
 def check_placement(env: ParallelEnv) -> None:
     """Fail unless torch put this rank where dims says: its dense coordinates and its group of each named mesh."""
     placed = dict(zip(MESH_DIMS, env.mesh.get_coordinate()))
     if placed != {n: env.coords[n] for n in MESH_DIMS}:
         raise RuntimeError(f"rank {env.rank}: DeviceMesh put it at {placed}, ParallelDims computed {env.coords}")
-    for name, flat in env.flat_meshes.items():
+    named = dict(env.flat_meshes)
+    if env.expert_mesh is not None:
+        named.update({n: env.expert_mesh[n] for n in ("efsdp", "ep", "etp")})
+    for name, sub in named.items():
         group = next(g for g in env.dims.mesh_groups(name) if env.rank in g)
-        if flat.mesh.flatten().tolist() != group:
-            raise RuntimeError(f"rank {env.rank}: the {name!r} mesh is {flat.mesh.tolist()}, ParallelDims has {group}")
+        if sub.mesh.flatten().tolist() != group:
+            raise RuntimeError(f"rank {env.rank}: the {name!r} mesh is {sub.mesh.tolist()}, ParallelDims has {group}")

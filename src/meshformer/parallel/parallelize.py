@@ -1,11 +1,15 @@
 """`parallelize`: the one place that composes the parallel techniques, in one order, on a meta-device model.
 
-Order (see docs/design.md): pipeline split (which pieces this rank holds) -> tensor parallel (the model family's
-plan, DTensor) -> activation recompute (wraps layers, so it also recomputes their TP collectives) -> activation
-swap on the layers not recomputed (hooks, GPU runs only: a CPU run's host memory is its device memory) -> compile
-(each layer, and the loss, where `compile` says so) -> data parallel or FSDP (wraps layers, then the piece, so
-FSDP's units contain the recompute wrappers). Model transforms (LoRA, freezing, ...) ran before this, in
-models/transforms.py. Nothing is allocated until `materialize`.
+Order (see docs/design.md): pipeline split (which pieces this rank holds) -> context parallel (attention over
+keys gathered from the cp ranks, the root given its tokens' global layout) -> tensor parallel (the model family's
+plan, DTensor; MoE routers and routed experts stay whole on every tp rank) -> expert parallel (routed experts
+sharded by expert over "ep", their rows dispatched and combined by all-to-all) -> activation recompute (wraps
+layers, so it also recomputes their TP collectives and all-to-alls) -> activation swap on the layers not
+recomputed (hooks, GPU runs only: a CPU run's host memory is its device memory) -> compile (each layer, and the
+loss, where `compile` says so) -> data parallel or FSDP (routed experts first, each layer's its own unit over
+"efsdp" of the expert mesh; then the layers, then the piece, so FSDP's units contain the recompute wrappers).
+Model transforms (LoRA, freezing, ...) ran before this, in models/transforms.py. Nothing is allocated until
+`materialize`.
 """
 
 from __future__ import annotations
@@ -16,8 +20,10 @@ from torch import nn
 
 from meshformer.config.schema import MeshformerConfig
 from meshformer.models.registry import family_of
+from meshformer.parallel.context_parallel import apply_context_parallel
 from meshformer.parallel.data_parallel import apply_data_parallel
 from meshformer.parallel.env import ParallelEnv
+from meshformer.parallel.expert_parallel import apply_expert_parallel
 from meshformer.parallel.parts import LossFn, ModelParts
 from meshformer.parallel.pipeline import split_pipeline
 from meshformer.parallel.pipeline_parts import PipelineParts
@@ -34,14 +40,18 @@ CPU_COMPILE_MIN_FLOPS = 1e14
 
 def compile_decision(cfg: MeshformerConfig, env: ParallelEnv, run_flops: float | None = None) -> tuple[bool, str]:
     """(compile?, why) for `compile`: true and false are obeyed; auto compiles where it is proven and pays: not with
-    tensor parallelism (DTensor layers fail in backward when compiled on torch 2.13) nor with activation swap (its
-    hooks cannot run in a compiled layer); on a GPU always, on a CPU when a C++ compiler is found and the run's work
-    per process (`run_flops`, the trainer's steps x tokens x FLOPs per token / processes) reaches
+    tensor parallelism (DTensor layers fail in backward when compiled on torch 2.13), activation swap (its hooks
+    cannot run in a compiled layer) or expert parallelism; on a GPU always, on a CPU when a C++ compiler is found and
+    the run's work per process (`run_flops`, the trainer's steps x tokens x FLOPs per token / processes) reaches
     CPU_COMPILE_MIN_FLOPS."""
     if cfg.compile != "auto":
         return bool(cfg.compile), f"compile: {str(bool(cfg.compile)).lower()}"
     if env.tp_size > 1:
         return False, "compile: auto -> off (tensor parallel layers are not proven compiled)"
+    if env.dims.cp > 1:
+        return False, "compile: auto -> off (context parallel attention is not proven compiled)"
+    if env.dims.ep > 1:
+        return False, "compile: auto -> off (expert parallelism's all-to-all sizes are read on the host: not proven)"
     if cfg.swap_config.swap:
         return False, "compile: auto -> off (activation swap's hooks cannot run in a compiled layer)"
     if env.device.type == "cuda":
@@ -91,10 +101,13 @@ def parallelize(
     if compiled:
         loss_fn = compile_loss(loss_fn)
     pieces = split_pipeline(model, cfg, env.pp_rank) if env.pp_size > 1 else [(0, model)]
+    cp_note = None
     for _, part in pieces:
+        cp_note = apply_context_parallel(part, env)  # each stage's root: its tokens' layout
         if env.tp_size > 1:
             plan = family_of(model.config).tp_plan(model)
             apply_tp(part, env.submesh("tp"), plan, cfg.parallel_config.use_seq_parallel)
+        apply_expert_parallel(part, env)
         rc = cfg.recompute_config
         apply_recompute(part, rc.recompute, stage_index=env.pp_rank, select=rc.select_recompute)
         if env.device.type == "cuda":
@@ -106,5 +119,5 @@ def parallelize(
         parts = PipelineParts([p for _, p in pieces], [s for s, _ in pieces], cfg, env, loss_fn)
     else:
         parts = ModelParts([model], cfg, env, loss_fn)
-    parts.compile_note = why
+    parts.compile_note = why if cp_note is None else f"{why}; {cp_note}"
     return parts

@@ -5,9 +5,10 @@ Full: `recompute_config.recompute` is `true` (every layer), `false`, or MindSpor
 fully recomputed layer keeps only its input and runs its forward again in backward.
 
 Selective (`select_recompute`, op-level, torch's selective activation checkpointing): the layer keeps the
-outputs of its matmuls, of attention (SDPA) and of collectives, and recomputes the cheap element-wise work between
-them (RMSNorm internals, rotary, SiLU, the SwiGLU product, residual adds): most of the memory of the norms and the
-MLP for a few percent of the FLOPs. `true` selects every layer, a list counts layers per stage as for
+outputs of its matmuls (routed experts' grouped matmuls too), of attention (SDPA) and of collectives (expert
+parallelism's all-to-alls too), and recomputes the cheap element-wise work between them (RMSNorm internals,
+rotary, SiLU, the SwiGLU product, residual adds): most of the memory of the norms and the MLP for a few percent of
+the FLOPs. `true` selects every layer, a list counts layers per stage as for
 `recompute`, and MindSpore's dict form (`{'feed_forward\\.mul': [14, 14], 'feed_forward\\.w1\\.activation\\.silu':
 [14, 14]}`) selects the layers its counts name; its keys must name element-wise operations (mul, silu, add, norm,
 ...), all of which the policy recomputes (keeping everything but the named ones would keep more than no
@@ -33,6 +34,7 @@ from meshformer.backends.torch_private import (
     attention_kernel_ops,
     checkpoint_wrapper,
     functional_collective_ops,
+    grouped_mm_op,
     tree_leaves,
 )
 
@@ -44,6 +46,7 @@ SAVED_OPS = {
     aten.mm,
     aten.addmm,
     aten.bmm,
+    grouped_mm_op(),  # routed experts (models/moe/experts.py): their loop form's matmuls are kept alike
     *attention_kernel_ops(),
     torch.ops.meshformer.onednn_mm,  # fp32 CPU linears on oneDNN (backends/cpu.py)
     *functional_collective_ops(),

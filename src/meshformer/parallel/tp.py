@@ -16,6 +16,15 @@ into a torch ParallelStyle (the Megatron recipe) and applies it:
   head_norm        per-head norm (q/k norm) over the heads this rank holds
   gather_sequence  a module that needs the whole sequence (attention, MLP): under sequence parallelism its first
                    input is all-gathered from sequence shards; nothing otherwise
+  rowwise_full     rowwise with the whole output on every rank, even under sequence parallelism (shared experts)
+  whole            weights whole on every rank, computed on local tensors (MoE router, routed experts)
+  replicated_local a small linear whose weight is whole on every rank, local in and out (Qwen2-MoE's shared-expert
+                   gate)
+  moe_block        an MoE block under sequence parallelism: whole sequence in, its output cut back to the rank's
+                   sequence shard; nothing otherwise
+  sum_grad         identity forward; backward sums the input's gradient over tp (Megatron's copy to the tensor-
+                   parallel region): a tensor every rank computes whole but only some heads of each rank use
+                   (latent attention's rotary key, shared by every head)
   replicated, rowwise_to_replicated, replicated_to_output
                    the factors of a LoRA linear (models/lora.py `tp_subplan`)
 
@@ -31,7 +40,7 @@ import fnmatch
 from functools import partial
 
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 
 
@@ -108,6 +117,47 @@ class GatherSequence(ParallelStyle):
         return module
 
 
+class SumGradient(ParallelStyle):
+    """Identity on the first input; its gradient is summed over tp in backward (the local gradient declared a
+    partial sum, which DTensor all-reduces on the way back to the replicated input)."""
+
+    def _apply(self, module: nn.Module, mesh) -> nn.Module:
+        def copy_in(mod, args):
+            x = DTensor.from_local(args[0], mesh, [Replicate()], run_check=False)
+            return (x.to_local(grad_placements=[Partial()]), *args[1:])
+
+        module.register_forward_pre_hook(copy_in)
+        return module
+
+
+class Whole(ParallelStyle):
+    """A module whose weights stay whole on every tp rank (Replicate DTensors) and which computes on local tensors
+    (reading its weights' `to_local()`): an MoE router and routed experts, run alike by every tp rank on the same
+    tokens, so their gradients agree without a reduction."""
+
+    def _apply(self, module: nn.Module, mesh) -> nn.Module:
+        # Parameters only: buffers (the router's routing bias) stay plain tensors, updated alike on every rank.
+        for name, sub in module.named_modules():
+            NormParallel._params(name, sub, mesh)
+        return module
+
+
+class MoeBlockParallel(ParallelStyle):
+    """An MoE block under sequence parallelism: the whole sequence in (all-gathered), and its output, whole on
+    every tp rank (routed experts run alike on each, shared experts end in an all-reduce), cut back to this rank's
+    sequence shard (backward all-gathers the shards' gradients)."""
+
+    def _apply(self, module: nn.Module, mesh) -> nn.Module:
+        GatherSequence()._apply(module, mesh)
+
+        def scatter(mod, args, out):
+            whole = DTensor.from_local(out, mesh, [Replicate()], run_check=False)
+            return whole.redistribute(placements=[Shard(1)]).to_local()
+
+        module.register_forward_hook(scatter)
+        return module
+
+
 def make_style(name: str, seq_parallel: bool) -> ParallelStyle | None:
     """The torch ParallelStyle of a plan's style name (None: nothing to do in this configuration)."""
     seq = Shard(1) if seq_parallel else Replicate()
@@ -120,6 +170,11 @@ def make_style(name: str, seq_parallel: bool) -> ParallelStyle | None:
         "norm_to_head": lambda: NormParallel(seq, Replicate()),
         "head_norm": lambda: NormParallel(Shard(2)),
         "gather_sequence": lambda: GatherSequence() if seq_parallel else None,
+        "rowwise_full": lambda: RowwiseParallel(output_layouts=Replicate()),
+        "whole": lambda: Whole(),
+        "sum_grad": lambda: SumGradient(),
+        "replicated_local": lambda: Replicated(Replicate(), Replicate(), local_output=True),
+        "moe_block": lambda: MoeBlockParallel() if seq_parallel else None,
         # LoRA factors (models/lora.py): A of a column-parallel linear, then B of a row-parallel one's
         "replicated": lambda: Replicated(Replicate(), Replicate(), local_output=False),
         "rowwise_to_replicated": lambda: RowwiseParallel(output_layouts=Replicate(), use_local_output=False),

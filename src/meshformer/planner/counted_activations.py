@@ -7,7 +7,9 @@ saves counts once, for the decoder layer running when it is first saved (after t
 model's parameters and buffers, views of them and autocast's copies of weights are not activations (the planner
 adds the copies itself, as for every family). A second forward with every layer under parallel/recompute.py's
 selective policy counts what a selectively recomputed layer keeps (the kept outputs reported to KEPT_LISTENERS
-plus the layer input the checkpoint saves); a fully recomputed layer keeps its input.
+plus the layer input the checkpoint saves); a fully recomputed layer keeps its input. An `MoEBlock` (models/moe/)
+cannot run on fake tensors (how many rows each expert gets is data), so a stand-in adds its bytes in closed form
+(models/moe/activations.py) and the rest of the layer, its attention whatever the family, is counted as above.
 
 Tensor parallelism is not run: the layer is counted whole, and each saved tensor is cut by the style of the
 innermost module of the tensor-parallel plan it was saved in (parallel/tp.py's styles, as Megatron's layout
@@ -157,6 +159,7 @@ def _count(mc, piece, shape: ActivationShape, grad_in: bool, styles: dict[str, s
                     if gathered or (isinstance(m, nn.Linear) and not p.requires_grad and p.dim() == 2):
                         p.data = p.data.to(DTYPE[mc.compute_dtype])
         count = _Count(shape, styles, [*model.parameters(), *model.buffers()])
+        _stand_in_moe_blocks(mc, model, count, selective)
         _track(model, count, layer_keys, canonical_name, selective)
         size = (shape.micro_batch, shape.seq_length)
         if getattr(model, "embed_tokens", None) is not None:
@@ -172,6 +175,34 @@ def _count(mc, piece, shape: ActivationShape, grad_in: bool, styles: dict[str, s
         finally:
             KEPT_LISTENERS.remove(listener)
     return count
+
+
+class _CountedMoE(nn.Module):
+    """Stands in for an MoEBlock, whose routing a fake forward cannot run (its rows per expert depend on the
+    data): adds the block's bytes in closed form (models/moe/activations.py) to the running layer, and passes its
+    input on (a clone saves nothing)."""
+
+    def __init__(self, block: nn.Module, mc, count: "_Count", selective: bool):
+        super().__init__()
+        self.block, self.mc, self.count, self.selective = block, mc, count, selective
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from meshformer.models.moe.activations import moe_block_bytes
+
+        sh = self.count.shape
+        saved, kept = moe_block_bytes(self.mc, x.shape[0] * x.shape[1], x.element_size(), sh.compute, sh.autocast)
+        if self.count.layer not in (None, _HEAD):
+            self.count.add(self.count.layer, kept if self.selective else saved)
+        return x.clone()
+
+
+def _stand_in_moe_blocks(mc, model: nn.Module, count: "_Count", selective: bool) -> None:
+    from meshformer.models.moe import MoEBlock
+
+    for name, module in list(model.named_modules()):
+        if isinstance(module, MoEBlock):
+            parent, _, leaf = name.rpartition(".")
+            setattr(model.get_submodule(parent), leaf, _CountedMoE(module, mc, count, selective))
 
 
 def _first_tensor(value) -> torch.Tensor | None:

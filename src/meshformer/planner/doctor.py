@@ -9,6 +9,8 @@
 3. Tensor parallelism across nodes (the seed's topology rule: tensor parallel inside a node).
 4. A throughput target beyond the hardware: the FLOP/s it needs against what the devices have.
 5. fp32 compute where the seed's recipe uses bf16 (half the activation memory, several times the matmul speed).
+6. Mixture-of-Experts: routed experts' states dominating a rank (a larger `expert_parallel` divides them; also a
+   memory knob), and expert parallelism's all-to-all taking a large share of the step (ep spanning nodes).
 Each finding is (severity, text); severity "error" makes the command exit 1.
 """
 
@@ -113,6 +115,9 @@ def memory_findings(plan: Plan) -> list[Finding]:
                 {"parallel_config.optimizer_shard": True, "parallel_config.cpu_offload": True},
             )
         )
+    if plan.moe is not None and (choices := _ep_choices(plan)):
+        text, change = _ep_change(plan, choices[-1])
+        options.append((f"{text} (each rank keeps 1/{choices[-1]} of the routed experts)", change))
     for tp, pp in ((2 * pc.model_parallel, pc.pipeline_stage), (pc.model_parallel, 2 * pc.pipeline_stage)):
         dp = pc.data_parallel // 2
         if dp >= 1 and pc.data_parallel % 2 == 0:
@@ -223,9 +228,75 @@ def precision_findings(plan: Plan) -> list[Finding]:
     return []
 
 
+def _ep_choices(plan: Plan) -> list[int]:
+    """expert_parallel degrees above the current one that divide the experts and the ranks ep may borrow
+    (dp_shard x cp, with optimizer sharding over all of data_parallel where the run does not shard yet)."""
+    pc, m = plan.cfg.parallel_config, plan.cfg.model.model_config.moe_config
+    borrowable = (plan.dims.dp_shard if plan.dims.dp_shard > 1 else pc.data_parallel) * plan.dims.cp
+    return [n for n in range(pc.expert_parallel + 1, borrowable + 1) if borrowable % n == 0 and m.expert_num % n == 0]
+
+
+def _ep_change(plan: Plan, ep: int) -> tuple[str, dict]:
+    """(the advice's text, the config change) that raises expert_parallel to `ep`."""
+    change = {"parallel_config.expert_parallel": ep}
+    text = f"parallel_config.expert_parallel: {ep}"
+    if plan.dims.dp_shard == 1:  # ep borrows parameter-sharding ranks
+        change["parallel_config.optimizer_shard"] = True
+        text += " with optimizer_shard: true"
+    return text, change
+
+
+def expert_findings(plan: Plan) -> list[Finding]:
+    """Expert parallelism: (1) the routed experts' states dominate a rank's memory and a larger `ep` divides them;
+    (2) the all-to-all of `ep` takes a large share of the step (over the network when ep x tp spans nodes)."""
+    moe = plan.moe
+    if moe is None:
+        return []
+    out = []
+    states = max(plan.stages, key=lambda st: st.memory.states_bytes).memory
+    per_param = states.states_bytes / max(1, states.params_bytes // 4)  # bytes of states per fp32 parameter
+    experts = moe.routed_params_per_rank * per_param
+    choices = _ep_choices(plan)
+    if experts > 0.5 * _worst(plan) and choices:
+        ep = choices[-1]
+        text, change = _ep_change(plan, ep)
+        alt = _variant(plan, **change)
+        after = (
+            f" -> {_worst(alt) / GIB:.1f} GiB per rank, {'fits' if alt.fits else 'still does not fit'}" if alt else ""
+        )
+        out.append(
+            Finding(
+                "warning",
+                f"routed experts hold {experts / GIB:.1f} GiB of parameters, gradients and optimizer states per rank "
+                f"({experts / _worst(plan):.0%} of its {_worst(plan) / GIB:.1f} GiB): {text} keeps "
+                f"{plan.cfg.model.model_config.moe_config.expert_num // ep} experts of each layer per rank{after}",
+            )
+        )
+    t = plan.throughput
+    if plan.dims.ep > 1 and t.ep_s > 0.25 * t.compute_s:
+        per_node = plan.dims.world_size // max(1, plan.nodes)
+        where = (
+            "over the network (ep x model_parallel spans nodes)"
+            if plan.dims.ep * plan.dims.tp > per_node
+            else "inside the node"
+        )
+        bw = plan.accelerator.inter_bw if "network" in where else plan.accelerator.intra_bw
+        out.append(
+            Finding(
+                "warning",
+                f"expert parallelism's all-to-all moves {t.ep_bytes / 1e9:.1f} GB per rank and step {where} at "
+                f"{bw / 1e9:.0f} GB/s: {t.ep_s:.2f} s on the critical path against {t.compute_s:.2f} s of compute; "
+                f"keep expert_parallel x model_parallel within a node ({per_node} devices), or lower expert_parallel "
+                f"(a share (ep - 1) / ep of the routed rows leaves each rank)",
+            )
+        )
+    return out
+
+
 def diagnose(plan: Plan, target_samples_per_s: float | None = None) -> list[Finding]:
     return [
         *memory_findings(plan),
+        *expert_findings(plan),
         *bubble_findings(plan),
         *topology_findings(plan),
         *target_findings(plan, target_samples_per_s),

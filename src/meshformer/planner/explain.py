@@ -61,12 +61,32 @@ def explain(plan: Plan) -> list[str]:
             f"{_g(s.reserved_bytes)}; device {_g(plan.device_memory)}: headroom {_g(s.headroom_bytes)}",
         ]
     embedding = mc.vocab_size * h
+    moe = plan.moe
+    if moe is not None:
+        k, E = mc.moe_config.num_experts_chosen, mc.moe_config.expert_num
+        rows = T * k
+        lines += [
+            f"MoE: routed experts {moe.routed_params:,} of N over {moe.moe_layers} layers; active parameters N_active "
+            f"= N - routed x (1 - k/E) = {N:,} - {moe.routed_params:,} x (1 - {k}/{E}) = {moe.active_params:,}",
+            f"  experts per rank = E / ep = {E} / {dims.ep} = {moe.experts_per_rank}, routed parameters per rank "
+            f"{moe.routed_params_per_rank:,} (FSDP over efsdp {dims.efsdp if dims.ep > 1 else dims.dp_shard})",
+            f"  all-to-all = (4 [+2 recompute, +2 routing pre-pass]) x MoE layers per rank x micro-batches x T*k*h*a x "
+            f"(ep-1)/ep = {t.ep_bytes / 1e9:.2f} GB in {t.ep_s:.3f} s; buffers 2*T*k*h*a = "
+            f"{_g(moe.a2a_buffer_bytes)} (T*k = {rows:,} rows)",
+        ]
+    counted = moe.active_params if moe is not None else N
+    if mc.uses_mla:  # latent attention: q/k and v heads of their own widths
+        attn = (
+            f"attention 6 x L x heads x (qk + v) x s = 6 x {L} x {mc.num_heads} x ({mc.qk_head_dim} + {mc.v_head_dim})"
+        )
+    else:
+        attn = f"attention 12 x L x heads x head_dim x s = 12 x {L} x {mc.num_heads} x {mc.dim_per_head}"
     lines += [
-        f"FLOPs per token = 6 x (N - V*h) + 12 x L x heads x head_dim x s = 6 x {N - embedding:,} + 12 x {L} x "
-        f"{mc.num_heads} x {mc.dim_per_head} x {mc.seq_length} = {t.flops_per_token / 1e9:.2f} GFLOP "
+        f"FLOPs per token = 6 x (N{'_active' if moe else ''} - V*h) + {attn.split(' = ')[0]} = 6 x "
+        f"{counted - embedding:,} + {attn.split(' = ')[1]} x {mc.seq_length} = {t.flops_per_token / 1e9:.2f} GFLOP "
         f"(causal not halved)",
         f"model FLOPs per step = {t.flops_per_token / 1e9:.2f} GFLOP x {t.flops_per_step / t.flops_per_token:,.0f} "
-        f"tokens = {t.flops_per_step / 1e15:.3f} PFLOP; with recompute's extra forward "
+        f"tokens = {t.flops_per_step / 1e15:.3f} PFLOP; with recompute's extra forward (and a routing pre-pass) "
         f"{t.hardware_flops_per_step / 1e15:.3f}",
         f"compute per rank = hardware FLOPs / {dims.world_size} devices / (peak x {plan.accelerator.efficiency}) = "
         f"{t.compute_s:.3f} s; "
@@ -75,7 +95,7 @@ def explain(plan: Plan) -> list[str]:
         f"{t.dp_s:.3f} s (hidden behind 80% of compute), pp {t.pp_bytes / 1e9:.2f} GB in {t.pp_s:.3f} s",
         f"activation swap: {t.swap_bytes / 1e9:.2f} GB each way over {plan.accelerator.host_bw / 1e9:.0f} GB/s, "
         f"overlapping forward (1/3 of compute) and backward (2/3): {t.swap_s:.3f} s on the critical path",
-        f"step = compute / (1 - bubble) + tp + pp + swap + max(0, dp - 0.8 x compute) = {t.step_time_s:.3f} s -> "
+        f"step = compute / (1 - bubble) + tp + pp + ep + swap + max(0, dp - 0.8 x compute) = {t.step_time_s:.3f} s -> "
         f"{t.tokens_per_s:,.0f} tokens/s, MFU {t.mfu:.1%}",
     ]
     return lines

@@ -119,14 +119,17 @@ def states_bytes(cfg: MeshformerConfig, dims: ParallelDims, pp_rank: int) -> tup
     for _, piece in pieces:
         styles = resolve_plan(piece, _tp_plan(cfg.model.model_config, piece)) if dims.tp > 1 else {}
         layers += len(piece.layers)
-        seen = set()
+        seen, routed = set(), routed_expert_params(piece)
         for name, p in piece.named_parameters():
             if id(p) in seen:
                 continue
             seen.add(id(p))
             module, _, leaf = name.rpartition(".")
             tp_dim = TP_SHARD_DIM.get(styles.get(module, ""), {}).get(leaf)
-            numel = _local_numel(tuple(p.shape), tp_dim, dims.tp, fsdp)
+            if id(p) in routed:
+                numel = expert_local_numel(tuple(p.shape), dims)
+            else:
+                numel = _local_numel(tuple(p.shape), tp_dim, dims.tp, fsdp)
             nbytes = numel * p.element_size()
             params += nbytes
             if p.dim() == 2 and (not name.startswith("embed_tokens") or cfg.model.model_config.tie_word_embeddings):
@@ -142,6 +145,25 @@ def states_bytes(cfg: MeshformerConfig, dims: ParallelDims, pp_rank: int) -> tup
                 grads += math.prod(p.shape) * p.element_size() if replicated else nbytes
                 optim += 2 * nbytes + 4  # AdamW: exp_avg, exp_avg_sq, and a float32 step
     return params, grads, optim, layers, matmul
+
+
+def routed_expert_params(piece) -> set[int]:
+    """ids of the routed experts' stacked parameters ([experts, out, in], models/moe/experts.py) in a piece."""
+    from meshformer.models.moe.experts import GroupedExperts
+
+    return {id(p) for m in piece.modules() if isinstance(m, GroupedExperts) for p in m.parameters()}
+
+
+def expert_local_numel(shape: tuple[int, ...], dims: ParallelDims) -> int:
+    """Elements of a stacked routed-expert parameter on one rank: its experts split over `ep` (dim 0), then FSDP
+    over `efsdp` when the run shards (dim 1, the features, padded: parallel/data_parallel.py `shard_experts`), else
+    whole. Without expert parallelism they are dense parameters."""
+    if dims.ep == 1:
+        return _local_numel(shape, None, dims.tp, dims.dp_shard if dims.dp_shard > 1 else 1)
+    local = [math.ceil(shape[0] / dims.ep), *shape[1:]]
+    if dims.dp_shard > 1 and dims.efsdp > 1:
+        local[1] = math.ceil(local[1] / dims.efsdp)
+    return math.prod(local)
 
 
 def _layer_matmul_elements(piece, key: str, styles: dict[str, str], tp: int) -> int:

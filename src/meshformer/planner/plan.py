@@ -6,7 +6,10 @@ On top of planner/memory.py's model states and saved activations, a rank's peak 
   optimizer     foreach AdamW's temporaries at the step, about one more copy of what it updates (the gradients);
                 none for fused AdamW (the default)
   recompute     one recomputed layer's activations, made again during its backward (after the logits are freed)
-  FSDP          the gathered weights of two layers (the one computing and the one prefetched), compute dtype
+  FSDP          the gathered weights of two layers (the one computing and the one prefetched), compute dtype; of an
+                MoE layer under expert parallelism only the rank's experts
+  all-to-all    expert parallelism's send and receive buffers of one layer (planner/experts.py), in forward beside
+                the logits' time or in backward beside a recomputed layer
   runtime       what the framework takes before any tensor (CUDA context, one communicator per parallel
                 dimension, cuBLAS/attention workspaces), per accelerator (planner/accelerators.py)
   reserved      the caching allocator keeps ~10% more than it hands out (fragmentation)
@@ -30,6 +33,8 @@ from meshformer.config.schema import MeshformerConfig
 from meshformer.models.registry import family_of
 from meshformer.parallel.dims import ParallelDims
 from meshformer.planner.accelerators import Accelerator
+from meshformer.planner.context_parallel import local_config, with_context_parallel
+from meshformer.planner.experts import ExpertFigures, expert_figures
 from meshformer.planner.memory import StageMemory, plan_memory
 from meshformer.planner.throughput import Throughput, predict
 
@@ -71,6 +76,7 @@ class Plan:
     n_micro: int
     stages: list[StagePlan]
     throughput: Throughput
+    moe: ExpertFigures | None = None  # parameters and all-to-all of an MoE model (planner/experts.py)
 
     @property
     def fits(self) -> bool:
@@ -84,6 +90,8 @@ class Plan:
                 "model_parallel": self.dims.tp,
                 "pipeline_stage": self.dims.pp,
                 "optimizer_shard": self.dims.dp_shard,
+                "expert_parallel": self.dims.ep,
+                "expert_fsdp": self.dims.efsdp if self.dims.ep > 1 else self.dims.dp_shard,
                 "devices": self.dims.world_size,
                 "nodes": self.nodes,
                 "micro_batch": self.micro_batch,
@@ -96,7 +104,8 @@ class Plan:
             "flops_per_token": t.flops_per_token,
             "flops_per_step": t.flops_per_step,
             "hardware_flops_per_step": t.hardware_flops_per_step,
-            "communication_bytes_per_step": {"tp": t.tp_bytes, "dp": t.dp_bytes, "pp": t.pp_bytes},
+            "communication_bytes_per_step": {"tp": t.tp_bytes, "dp": t.dp_bytes, "pp": t.pp_bytes, "ep": t.ep_bytes},
+            "moe": self.moe.as_dict() if self.moe is not None else None,
             "bubble_fraction": t.bubble_fraction,
             "step_time_s": t.step_time_s,
             "tokens_per_s": t.tokens_per_s,
@@ -122,16 +131,22 @@ def make_plan(
     fused = cfg.optimizer.fused if cfg.optimizer.fused is not None else True  # train/optim.use_fused
     low = mc.compute_dtype != "float32"
     a = 2 if low else 4
-    T = micro_batch * mc.seq_length
+    T = micro_batch * mc.seq_length // dims.cp  # a context-parallel rank's tokens of its rows
     stages = []
+    moe = expert_figures(cfg, dims, micro_batch, n_micro)
     layer_params = _layer_param_count(mc)
-    for st in plan_memory(cfg, dims, micro_batch, n_micro):
+    if moe is not None and dims.ep > 1:  # an MoE layer gathers only this rank's experts (efsdp), whole across tp
+        routed = moe.routed_params // moe.moe_layers
+        layer_params = (layer_params - routed) + routed * dims.tp // dims.ep
+    a2a = moe.a2a_buffer_bytes if moe is not None else 0
+    for st in plan_memory(local_config(cfg), dims, micro_batch, n_micro):
+        st = with_context_parallel(st, cfg, dims, micro_batch)  # the gathered keys and values
         last = st.stage == dims.pp - 1 or (dims.pp > 1 and cfg.parallel_config.pipeline_schedule in _V)
         logits = (T * math.ceil(mc.vocab_size / dims.tp) * (a + (4 if low else 0))) if last else 0
         offload = cfg.parallel_config.cpu_offload and acc.name != "cpu"
         step_tmp = 0 if fused else st.grads_bytes  # foreach: one more copy of what it updates
         gathered = 2 * layer_params // dims.tp * a if dims.dp_shard > 1 else 0
-        working = st.activations_bytes + gathered + max(logits + st.autocast_cache_bytes, st.recompute_bytes)
+        working = st.activations_bytes + gathered + max(logits + st.autocast_cache_bytes, st.recompute_bytes + a2a)
         # cpu_offload: the shards, gradients and optimizer states (and the step) live in host memory
         host = (st.states_bytes + step_tmp if offload else 0) + st.swapped_bytes
         early = st.grads_bytes if n_micro > 1 or dims.pp > 1 else 0  # gradients alive at the activation peak
@@ -141,7 +156,7 @@ def make_plan(
         stages.append(StagePlan(st, logits, step_tmp, gathered, allocated, reserved, int(mem - reserved), host))
     swapped = max(st.memory.swapped_bytes for st in stages) * max(1, n_micro) / max(1, stages[0].memory.in_flight)
     throughput = predict(cfg, dims, acc, micro_batch, n_micro, nodes, swapped)
-    return Plan(cfg, dims, acc, mem, nodes, micro_batch, n_micro, stages, throughput)
+    return Plan(cfg, dims, acc, mem, nodes, micro_batch, n_micro, stages, throughput, moe)
 
 
 _V = ("zbv_zero_bubble", "dualpipev")  # V schedules: rank 0 also holds the last stage

@@ -2,9 +2,11 @@
 
 FLOP convention (the trainer's MFU uses the same rule, the model family's flops_per_token, models/registry.py): model
 FLOPs per token = 6 x the parameters that do a matmul per token (all but the input embedding, plus the output
-projection, tied or not) + 12 x layers x heads x head_dim x seq_length (PaLM / torchtitan: the causal attention term
-is not halved). Recompute adds one forward (2/6 of the layer FLOPs) to the hardware's work but not to the model's, so it
-lowers throughput, not MFU's numerator.
+projection, tied or not; of an MoE model only the active ones, top-k routed experts) + 12 x layers x heads x
+head_dim x seq_length (latent attention: 6 x layers x heads x (q/k + v head widths) x seq_length; PaLM / torchtitan:
+the causal attention term is not halved). Recompute adds one forward (2/6 of the layer FLOPs) to the hardware's work
+but not to the model's, so it lowers throughput, not MFU's numerator; so does the global-batch balancing loss's
+routing pre-pass (one forward of the whole model per step).
 
 Communication per rank and step (ring collectives move 2(n-1)/n of the buffer for an all-reduce, (n-1)/n for an
 all-gather or reduce-scatter):
@@ -13,10 +15,12 @@ all-gather or reduce-scatter):
   data parallel    one all-reduce of the gradients (fp32); FSDP: all-gather of the weights in forward (and again
                    in backward with ZeRO-3) + reduce-scatter of the gradients
   pipeline         T x h (/ t) activations forward and their gradients backward per stage boundary and micro-batch
+  expert parallel  all-to-all of the routed rows, dispatch + combine forward and backward (planner/experts.py);
+                   routed experts' gradients reduce over dp_replicate x efsdp, the rest over data parallel
 Activation swap: the swapped bytes go to host memory during forward (overlapping its third of the compute) and
 come back during backward (its two thirds), at the accelerator's host link bandwidth.
-Step time = compute / (1 - bubble) + tensor-parallel and pipeline transfers (on the critical path) + swap + the part
-of the data-parallel transfers that does not hide behind the backward pass (assumed: all but 20% of compute).
+Step time = compute / (1 - bubble) + tensor-parallel, pipeline and all-to-all transfers (on the critical path) + swap
++ the part of the data-parallel transfers that does not hide behind the backward pass (assumed: all but 20% of compute).
 Bubble = (p - 1) / (m + p - 1) for GPipe and 1F1B, divided by v for interleaved schedules with v stages per rank.
 """
 
@@ -28,6 +32,8 @@ from meshformer.config.schema import MeshformerConfig
 from meshformer.models.registry import family_of
 from meshformer.parallel.dims import ParallelDims
 from meshformer.planner.accelerators import Accelerator
+from meshformer.planner.experts import expert_figures
+from meshformer.planner.extra_work import prepass_share, recompute_share
 
 
 @dataclass
@@ -49,6 +55,8 @@ class Throughput:
     mfu: float
     swap_bytes: float = 0.0  # per rank and step, each way
     swap_s: float = 0.0  # the part of the swap copies that does not hide behind compute
+    ep_bytes: float = 0.0  # expert parallelism's all-to-all, per rank and step, sent (planner/experts.py)
+    ep_s: float = 0.0  # its time (on the critical path)
 
 
 def flops_per_token(cfg: MeshformerConfig) -> float:
@@ -64,17 +72,6 @@ def bubble_fraction(cfg: MeshformerConfig, n_micro: int) -> float:
         return 0.0
     v = pc.pp_interleave_num if pc.pipeline_schedule not in ("gpipe", "1f1b") else 1
     return (p - 1) / (v * n_micro + p - 1)
-
-
-def recompute_share(cfg: MeshformerConfig) -> float:
-    """Share of decoder layers whose forward runs twice."""
-    rc = cfg.recompute_config.recompute
-    layers = cfg.model.model_config.num_layers
-    if rc is True:
-        return 1.0
-    if isinstance(rc, list):
-        return min(1.0, sum(rc) * cfg.parallel_config.pipeline_stage / max(1, layers) / max(1, len(rc)))
-    return 0.0
 
 
 def predict(
@@ -96,7 +93,7 @@ def predict(
     fpt = flops_per_token(cfg)
     model_flops = fpt * tokens
     layer_share = 1 - 6 * mc.vocab_size * mc.hidden_size * (0 if mc.tie_word_embeddings else 1) / max(fpt, 1)
-    hardware = model_flops * (1 + recompute_share(cfg) * layer_share / 3)
+    hardware = model_flops * (1 + recompute_share(cfg) * layer_share / 3 + prepass_share(cfg))
     world = dims.world_size
     compute = hardware / world / (peak * acc.efficiency)
     bubble = bubble_fraction(cfg, n_micro)
@@ -106,24 +103,25 @@ def predict(
     t, d = dims.tp, dims.dp
     calls = 4 + (2 if recompute_share(cfg) else 0)
     tp_bytes = calls * layers_per_rank * n_micro * 2 * (t - 1) / t * T * h * a if t > 1 else 0.0
-    local_params = family_of(mc).param_count(mc) / (t * dims.pp)
-    if d > 1 and dims.dp_shard > 1:
-        gathers = 3 if cfg.recompute_config.parallel_optimizer_comm_recompute else 2
-        dp_bytes = (d - 1) / d * local_params * (gathers * a + 4)
-    elif d > 1:
-        dp_bytes = 2 * (d - 1) / d * local_params * 4
-    else:
-        dp_bytes = 0.0
+    moe = expert_figures(cfg, dims, micro_batch, n_micro)
+    routed = moe.routed_params if moe is not None and dims.ep > 1 else 0
+    gathers = 3 if cfg.recompute_config.parallel_optimizer_comm_recompute else 2
+    dp_bytes = _dp_bytes(d, dims.dp_shard > 1, (family_of(mc).param_count(mc) - routed) / (t * dims.pp), gathers, a)
+    if routed:  # routed experts reduce over the ranks that hold the same experts: dp_replicate x efsdp
+        d_experts, local_experts = dims.dp_replicate * dims.efsdp, routed / (dims.ep * dims.pp)
+        dp_bytes += _dp_bytes(d_experts, dims.dp_shard > 1, local_experts, gathers, a)
+    ep_bytes = moe.a2a_bytes if moe is not None else 0.0
     pp_bytes = 2 * n_micro * T * h * a / (t if cfg.parallel_config.use_seq_parallel else 1) if dims.pp > 1 else 0.0
     per_node = max(1, world // max(1, nodes))
     tp_bw = acc.intra_bw if t <= per_node else acc.inter_bw
     dp_bw = acc.inter_bw if nodes > 1 else acc.intra_bw
     pp_bw = acc.inter_bw if nodes > 1 and dims.pp > 1 else acc.intra_bw
     tp_s, dp_s, pp_s = tp_bytes / tp_bw, dp_bytes / dp_bw, pp_bytes / pp_bw
+    ep_s = ep_bytes / (acc.intra_bw if dims.ep * dims.tp <= per_node else acc.inter_bw)
     swap_bytes = swapped_bytes if swapped_bytes is not None else 0.0
     swap_t = swap_bytes / acc.host_bw
     swap_s = max(0.0, swap_t - compute / 3) + max(0.0, swap_t - 2 * compute / 3)
-    step = compute / (1 - bubble) + tp_s + pp_s + swap_s + max(0.0, dp_s - 0.8 * compute)
+    step = compute / (1 - bubble) + tp_s + pp_s + ep_s + swap_s + max(0.0, dp_s - 0.8 * compute)
     return Throughput(
         fpt,
         model_flops,
@@ -142,4 +140,14 @@ def predict(
         model_flops / step / (world * peak),
         swap_bytes,
         swap_s,
+        ep_bytes,
+        ep_s,
     )
+
+
+def _dp_bytes(d: int, sharded: bool, local_params: float, gathers: int, a: int) -> float:
+    """Data-parallel bytes per rank and step for `local_params` parameters reduced over `d` ranks: FSDP's
+    all-gathers (compute dtype) and fp32 reduce-scatter, or an fp32 all-reduce."""
+    if d <= 1:
+        return 0.0
+    return (d - 1) / d * local_params * (gathers * a + 4) if sharded else 2 * (d - 1) / d * local_params * 4

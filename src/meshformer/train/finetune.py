@@ -33,6 +33,31 @@ SHAPE_FIELDS = (
     "qkv_has_bias",
     "use_qk_norm",
     "max_position_embedding",
+    "q_lora_rank",
+    "kv_lora_rank",
+    "qk_rope_head_dim",
+    "qk_nope_head_dim",
+    "v_head_dim",
+    "rope_interleave",
+)
+# moe_config fields that shape the network (which layers have experts, how many, how tokens are routed); the
+# balancing losses, capacity and the bias update stay the run's, like the dtypes.
+MOE_SHAPE_FIELDS = (
+    "expert_num",
+    "num_experts_chosen",
+    "moe_intermediate_size",
+    "shared_expert_num",
+    "shared_expert_intermediate_size",
+    "shared_expert_gate",
+    "use_gating_sigmoid",
+    "topk_method",
+    "n_group",
+    "topk_group",
+    "norm_topk_prob",
+    "routed_scaling_factor",
+    "first_k_dense_replace",
+    "decoder_sparse_step",
+    "mlp_only_layers",
 )
 
 
@@ -63,20 +88,8 @@ def apply_finetune_base(cfg: MeshformerConfig) -> list[str]:
     base = base_model_config(cfg.load_checkpoint)
     mc = cfg.model.model_config
     given = getattr(cfg, "given_model_fields", frozenset())
-    taken = []
-    for name in SHAPE_FIELDS:
-        theirs = getattr(base, name)
-        if name in given:
-            ours = getattr(mc, name)
-            same = vars(ours) == vars(theirs) if isinstance(ours, RopeScalingConfig) else ours == theirs
-            if not same:
-                raise UserError(
-                    f"model.model_config.{name}={_show(ours)} but the model in load_checkpoint has {_show(theirs)}: "
-                    f"remove the field (run_mode: finetune takes the model's own) or fine-tune another model"
-                )
-        else:
-            setattr(mc, name, theirs)
-            taken.append(name)
+    taken = _take(mc, base, SHAPE_FIELDS, given, "")
+    taken += _take(mc.moe_config, base.moe_config, MOE_SHAPE_FIELDS, given, "moe_config.")
     return (
         [
             f"run_mode finetune: model shape from {cfg.load_checkpoint} ({mc.type}, {mc.num_layers} layers, hidden "
@@ -85,6 +98,26 @@ def apply_finetune_base(cfg: MeshformerConfig) -> list[str]:
         if taken
         else []
     )
+
+
+def _take(ours_cfg, base_cfg, names, given, prefix: str) -> list[str]:
+    """Copy each of `names` the run leaves out from the base; one line for a given one that differs."""
+    taken = []
+    for name in names:
+        theirs = getattr(base_cfg, name)
+        if prefix + name in given:
+            ours = getattr(ours_cfg, name)
+            same = vars(ours) == vars(theirs) if isinstance(ours, RopeScalingConfig) else ours == theirs
+            if not same:
+                raise UserError(
+                    f"model.model_config.{prefix}{name}={_show(ours)} but the model in load_checkpoint has "
+                    f"{_show(theirs)}: remove the field (run_mode: finetune takes the model's own) or fine-tune "
+                    f"another model"
+                )
+        else:
+            setattr(ours_cfg, name, theirs)
+            taken.append(prefix + name)
+    return taken
 
 
 def _show(v) -> str:

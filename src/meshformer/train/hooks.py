@@ -28,7 +28,7 @@ import contextlib
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
-METHODS = ("step_context", "micro_batch_context", "before_optimizer_step", "after_optimizer_step")
+METHODS = ("step_context", "micro_batch_context", "before_optimizer_step", "after_optimizer_step", "step_metrics")
 
 
 class TrainHook:
@@ -38,6 +38,7 @@ class TrainHook:
     micro_batch_context: Callable[[int | None, int], contextlib.AbstractContextManager | None] | None = None
     before_optimizer_step: Callable[[int | None], None] | None = None
     after_optimizer_step: Callable[[int | None], None] | None = None
+    step_metrics: Callable[[int | None], dict | None] | None = None
 
 
 class StepContext(TrainHook):
@@ -76,6 +77,12 @@ class Hooks:
     def after_optimizer_step(self, step: int | None) -> None:
         for m in self._methods["after_optimizer_step"]:
             m(step)
+
+    def step_metrics(self, step: int | None) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for m in self._methods["step_metrics"]:
+            out.update(m(step) or {})
+        return out
 
 
 @contextlib.contextmanager

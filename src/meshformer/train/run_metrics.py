@@ -4,8 +4,9 @@ The record (metrics.jsonl, train/metrics.py) holds the loss, the learning rate, 
 MFU, the step time by phase (observe/timing.py), the memory breakdown (train/memory.py, whose meter is one of the
 step's hooks), the run's skip and rollback counts and each auxiliary loss as `aux_loss/<name>`. The same record
 feeds TensorBoard, the profiler window and the journal line (observe/run.py, every numeric field a scalar) and the
-console's line every `per_print_times` steps. Nothing here is resumed: a resumed run's metrics.jsonl is cut back to
-the checkpoint's step, and the rest is counted again.
+console's line every `per_print_times` steps. The hooks' `step_metrics` (train/hooks.py) join the record: an MoE
+model's `moe/imbalance/layerN`, `moe/dropped/layerN` and `moe/imbalance_max` (train/moe_balance.py). Nothing here
+is resumed: a resumed run's metrics.jsonl is cut back to the checkpoint's step, and the rest is counted again.
 """
 
 from __future__ import annotations
@@ -88,6 +89,7 @@ class RunMetrics:
             **counts,
             **scale,
             **{AUX_PREFIX + name: value for name, value in result.aux_losses.items()},
+            **result.metrics,
         }
 
     def write(self, rec: dict) -> None:

@@ -9,7 +9,8 @@ Loss normalisation: every micro-batch's loss is a *sum* over its tokens; the ste
 of counted tokens (all data-parallel ranks, all accumulation and pipeline micro-batches) and multiplies by the
 number of ranks the gradient reduction averages over. So loss and gradients are those of one big batch, for
 every layout and every accumulation split. Auxiliary losses a module reports (models/aux_loss.py) are sums too,
-and get the same scale and the same reductions.
+and get the same scale and the same reductions, or arrive already normalised by the step's global totals (MoE
+balancing losses: their gradient scale is the averaging size alone).
 """
 
 from __future__ import annotations
@@ -27,11 +28,13 @@ from meshformer.config.validate import SPLIT_BACKWARD_SCHEDULES
 from meshformer.dtypes import DTYPE
 from meshformer.errors import UserError
 from meshformer.models import build_model, materialize
-from meshformer.models.aux_loss import AuxLossCollector, collect_aux_losses
+from meshformer.models.aux_loss import AuxLossCollector, StepTotals, collect_aux_losses
 from meshformer.models.transforms import ModelTransform, apply_model_transforms
 from meshformer.parallel import ModelParts, ParallelEnv, parallelize
+from meshformer.parallel.context_parallel import local_sequence
 from meshformer.planner.throughput import flops_per_token
 from meshformer.train.hooks import Hooks
+from meshformer.train.moe_balance import routing_prepass
 from meshformer.train.optim import Optimizers
 
 
@@ -88,6 +91,7 @@ class StepResult:
     tokens: float  # counted (non-ignored) label tokens of the global batch
     skipped: bool = False  # loss or gradient norm not finite: the weights were not updated
     aux_losses: dict[str, float] = field(default_factory=dict)  # name -> its sum / global tokens (models/aux_loss.py)
+    metrics: dict[str, float] = field(default_factory=dict)  # what the hooks report (train/hooks.py step_metrics)
 
 
 def train_step(
@@ -116,17 +120,26 @@ def train_step(
     stay as they were): one bad batch or overflow must not poison the run. `loss_scale` (fp16, train/loss_scale.py)
     multiplies the loss before backward; the gradients are divided by it before the norm and the update.
     `clock` (observe/timing.StepClock) is lapped at the phase boundaries: fwd_bwd, optim (clip, update, zeroing),
-    other (the token-count and loss reductions).
+    other (the token-count and loss reductions). An MoE model with the global_batch balancing loss first routes the
+    step's micro-batches once without gradients (train/moe_balance.py routing_prepass, in fwd_bwd's time).
     """
     hooks = hooks if isinstance(hooks, Hooks) else Hooks(hooks)
     lap = clock.lap if clock is not None else lambda phase: None
+    # Context parallel ranks read the same rows and keep their own tokens of them (the documents stay whole: the
+    # model's pre-hook needs the row's layout); from here on every loss rank holds different tokens.
+    inputs, labels = local_sequence(env, inputs, labels)
     n_tok = env.reduce_sum((labels != ignore_index).sum().to(torch.float64), "loss")
     with hooks.step_context(step):
         # A device scalar, not a Python float: reading the token count here would make the host wait for the
         # device before the step's first kernel, a stall a GPU pays every step (the loss is read once, at the end).
         scale = (env.grad_average_size * loss_scale / n_tok).to(torch.float32)
+        # Every loss rank holds the same rows of the same length: the step's totals need no collective.
+        ranks = env.mesh_size("loss")
+        totals = StepTotals(float(inputs.numel() * ranks), float(inputs.shape[0] * ranks), float(n_micro * ranks))
         lap("other")
-        with collect_aux_losses(scale) as aux:  # auxiliary losses get the main loss's scale (models/aux_loss.py)
+        routing_prepass(parts, env, inputs, labels, n_micro, documents)  # MoE global-batch balancing only (fwd_bwd)
+        unit = env.grad_average_size * loss_scale  # normalised aux losses (models/aux_loss.py)
+        with collect_aux_losses(scale, unit, totals) as aux:  # aux losses get the main loss's scale
             micro = hooks.micro_batch_context(step)
             loss_sum = parts.forward_backward(inputs, labels, n_micro, scale, documents=documents, micro_context=micro)
         lap("fwd_bwd")
@@ -140,7 +153,8 @@ def train_step(
     loss, grad_norm, finite = _update(optimizer, env, loss_t, norm_t, lambda: hooks.after_optimizer_step(step))
     lap("optim")
     aux_losses = dict(zip(aux_names, aux_t.tolist())) if aux_names else {}  # read after the loss: no wait
-    return StepResult(loss, grad_norm, float(n_tok), skipped=not finite, aux_losses=aux_losses)
+    metrics = hooks.step_metrics(step)
+    return StepResult(loss, grad_norm, float(n_tok), skipped=not finite, aux_losses=aux_losses, metrics=metrics)
 
 
 def _update(optimizer: Optimizers, env: ParallelEnv, loss_t, norm_t, after_update) -> tuple[float, float, bool]:
@@ -169,14 +183,17 @@ def _update(optimizer: Optimizers, env: ParallelEnv, loss_t, norm_t, after_updat
 def _reduced_aux_losses(
     parts: ModelParts, env: ParallelEnv, aux: AuxLossCollector, n_tok: torch.Tensor
 ) -> tuple[list[str], torch.Tensor | None]:
-    """The names reported this step and their sums over the loss mesh and the pipeline stages / global tokens.
+    """The names reported this step and their sums over the loss mesh and the pipeline stages / global tokens
+    (already-normalised ones only summed).
 
     Every rank must reduce the same names in the same order, and a pipeline stage sees only its own layers'
     names: the ranks agree on the union once, on the first step (models report the same names every step),
     and a rank that lacks one reduces a zero for it. Nothing is read back here."""
     if getattr(parts, "aux_loss_names", None) is None:
-        local = sorted(aux.sums)
-        parts.aux_loss_names = sorted({n for names in env.all_gather_object(local) for n in names})
+        local = sorted((n, n in aux.normalized) for n in aux.sums)
+        pairs = {p for got in env.all_gather_object(local) for p in got}
+        parts.aux_loss_names = sorted({n for n, _ in pairs})
+        parts.aux_loss_normalized = {n for n, normalized in pairs if normalized}
     names = parts.aux_loss_names
     if set(aux.sums) - set(names):
         raise RuntimeError(
@@ -188,7 +205,9 @@ def _reduced_aux_losses(
     zero = torch.zeros((), dtype=torch.float64, device=n_tok.device)
     sums = torch.stack([aux.sums[n].to(torch.float64) if n in aux.sums else zero for n in names])
     sums = env.all_reduce_sum_pp(env.reduce_sum(sums, "loss"))
-    return names, sums / n_tok
+    normalized = getattr(parts, "aux_loss_normalized", set())
+    denom = torch.stack([torch.ones_like(n_tok) if n in normalized else n_tok for n in names])
+    return names, sums / denom
 
 
 def clip_threshold(cfg: MeshformerConfig) -> float | None:
@@ -226,6 +245,7 @@ def evaluate(
     total = torch.zeros((), dtype=torch.float64, device=env.device)
     count = torch.zeros((), dtype=torch.float64, device=env.device)
     for inputs, labels, *documents in batches:
+        inputs, labels = local_sequence(env, inputs, labels)
         if documents and documents[0] is not None:
             for x, y, d in zip(inputs.split(micro_batch), labels.split(micro_batch), documents[0].split(micro_batch)):
                 total += parts.eval_loss(x, y, d).to(torch.float64)

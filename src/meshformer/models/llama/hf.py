@@ -112,6 +112,17 @@ def config_from_hf(hf: dict, where: str = "config.json") -> dict:
     model_type = _as_llama(hf, model_type_of(hf, where), where)
     family, _, tied_default = CONFIG_TYPES[model_type]
     _refuse_unsupported(hf, model_type, where)
+    return {
+        "type": family,
+        **common_fields(hf, where, tied_default),
+        "qkv_has_bias": model_type == "qwen2",
+        "use_qk_norm": model_type == "qwen3",
+    }
+
+
+def common_fields(hf: dict, where: str, tied_default: bool = False) -> dict:
+    """The fields every Llama-architecture config.json gives the same way (shapes, norm, rotary, token ids); the
+    MoE family (models/llama_moe/hf.py) reads them with this too."""
     required = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
     missing = [k for k in required if not isinstance(hf.get(k), int)]
     if missing:
@@ -119,7 +130,6 @@ def config_from_hf(hf: dict, where: str = "config.json") -> dict:
     theta, scaling = _rope(hf, where)
     heads = hf["num_attention_heads"]
     fields = {
-        "type": family,
         "hidden_size": hf["hidden_size"],
         "num_layers": hf["num_hidden_layers"],
         "num_heads": heads,
@@ -131,8 +141,6 @@ def config_from_hf(hf: dict, where: str = "config.json") -> dict:
         "theta": theta,
         "rope_scaling": scaling,
         "tie_word_embeddings": bool(hf.get("tie_word_embeddings", tied_default)),
-        "qkv_has_bias": model_type == "qwen2",
-        "use_qk_norm": model_type == "qwen3",
     }
     if isinstance(hf.get("max_position_embeddings"), int):
         fields["max_position_embedding"] = hf["max_position_embeddings"]
@@ -155,6 +163,18 @@ def config_to_hf(mc: ModelConfig, dtype: str) -> dict:
             f"model_config: type {mc.type} with qkv_has_bias={mc.qkv_has_bias}, use_qk_norm={mc.use_qk_norm} has no "
             f"Hugging Face architecture (Llama: neither, Qwen2: q/k/v bias, Qwen3: q/k norm)"
         )
+    hf = common_hf(mc, model_type, CONFIG_TYPES[model_type][1], dtype)
+    if model_type == "llama":
+        hf.update(attention_bias=False, mlp_bias=False)
+    if model_type == "qwen2":
+        hf.update(use_sliding_window=False, sliding_window=None)
+    if model_type == "qwen3":
+        hf.update(attention_bias=False)
+    return hf
+
+
+def common_hf(mc: ModelConfig, model_type: str, architecture: str, dtype: str) -> dict:
+    """The config.json keys every Llama-architecture model writes the same way (the MoE family's too)."""
     rs = mc.rope_scaling
     scaling = None
     if rs.type == "llama3":
@@ -165,8 +185,10 @@ def config_to_hf(mc: ModelConfig, dtype: str) -> dict:
             "high_freq_factor": rs.high_freq_factor,
             "original_max_position_embeddings": rs.original_max_position_embeddings,
         }
-    hf = {
-        "architectures": [CONFIG_TYPES[model_type][1]],
+    elif rs.type != "none":
+        raise UserError(f"model_config.rope_scaling.type={rs.type} has no {architecture} spelling: use none or llama3")
+    return {
+        "architectures": [architecture],
         "model_type": model_type,
         "hidden_size": mc.hidden_size,
         "intermediate_size": mc.ffn_hidden_size,
@@ -186,10 +208,3 @@ def config_to_hf(mc: ModelConfig, dtype: str) -> dict:
         "pad_token_id": mc.pad_token_id,
         "torch_dtype": dtype,
     }
-    if model_type == "llama":
-        hf.update(attention_bias=False, mlp_bias=False)
-    if model_type == "qwen2":
-        hf.update(use_sliding_window=False, sliding_window=None)
-    if model_type == "qwen3":
-        hf.update(attention_bias=False)
-    return hf

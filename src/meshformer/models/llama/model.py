@@ -91,16 +91,21 @@ class RopeTables(nn.Module):
     shards the activations between layers.
     """
 
+    # A family with another rotary part (latent attention's) gives its width and tables
+    width_of = staticmethod(lambda mc: mc.dim_per_head)
+    cos_sin = staticmethod(rope_cos_sin)
+
     def __init__(self, mc: ModelConfig):
         super().__init__()
         self.config = mc
         self.dtype = DTYPE[mc.rotary_dtype]
-        self.register_buffer("cos", torch.empty(mc.seq_length, mc.dim_per_head, dtype=self.dtype), persistent=False)
-        self.register_buffer("sin", torch.empty(mc.seq_length, mc.dim_per_head, dtype=self.dtype), persistent=False)
+        width = self.width_of(mc)
+        self.register_buffer("cos", torch.empty(mc.seq_length, width, dtype=self.dtype), persistent=False)
+        self.register_buffer("sin", torch.empty(mc.seq_length, width, dtype=self.dtype), persistent=False)
 
     def reset_parameters(self) -> None:
         """Fill the tables (after the model moved off the meta device)."""
-        cos, sin = rope_cos_sin(self.config, torch.arange(self.config.seq_length, device=self.cos.device), self.dtype)
+        cos, sin = self.cos_sin(self.config, torch.arange(self.config.seq_length, device=self.cos.device), self.dtype)
         self.cos.copy_(cos)
         self.sin.copy_(sin)
 
@@ -108,14 +113,14 @@ class RopeTables(nn.Module):
         """cos/sin [batch, 1, seq, head_dim] of per-row positions [batch, seq] (packed documents, padded batches)."""
         if int(positions.max()) < self.cos.shape[0]:
             return self.cos[positions][:, None], self.sin[positions][:, None]
-        cos, sin = rope_cos_sin(self.config, positions.flatten(), self.dtype)
+        cos, sin = self.cos_sin(self.config, positions.flatten(), self.dtype)
         return cos.view(*positions.shape, -1)[:, None], sin.view(*positions.shape, -1)[:, None]
 
     def slice(self, start: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         if start + length <= self.cos.shape[0]:
             return self.cos[start : start + length], self.sin[start : start + length]
         positions = torch.arange(start, start + length, device=self.cos.device)  # generation past seq_length
-        return rope_cos_sin(self.config, positions, self.dtype)
+        return self.cos_sin(self.config, positions, self.dtype)
 
 
 class KVCache:
@@ -138,6 +143,10 @@ class KVCache:
 
 
 class Attention(nn.Module):
+    # Training's attention over whole rows (q, k, v, mask) -> out; a parallel technique may replace it on an instance
+    # (context parallelism attends from local queries to keys gathered over its ranks: parallel/context_parallel.py).
+    attend = staticmethod(causal_attention)
+
     def __init__(self, mc: ModelConfig):
         super().__init__()
         self.n_heads, self.n_kv, self.hd = mc.num_heads, mc.num_kv_heads, mc.dim_per_head
@@ -174,7 +183,7 @@ class Attention(nn.Module):
             k, v = cache.update(layer_idx, k, v)
         gqa = q.shape[1] != k.shape[1]
         if cache is None or (cache.pos == 0 and mask is None):  # training, a prompt's prefill
-            out = causal_attention(q, k, v, mask)
+            out = self.attend(q, k, v, mask)
         elif mask is not None:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
         else:  # queries at positions pos..pos+s-1 see every cached key up to their own position
@@ -204,9 +213,13 @@ class DecoderLayer(nn.Module):
         self.layer_idx = layer_idx
         norm_dtype = DTYPE[mc.layernorm_compute_dtype]
         self.input_layernorm = RMSNorm(mc.hidden_size, mc.rms_norm_eps, norm_dtype)
-        self.self_attn = Attention(mc)
+        self.self_attn = self.make_attention(mc)
         self.post_attention_layernorm = RMSNorm(mc.hidden_size, mc.rms_norm_eps, norm_dtype)
         self.mlp = self.make_mlp(mc, layer_idx)
+
+    def make_attention(self, mc: ModelConfig) -> nn.Module:
+        """The attention block (a latent-attention family returns its own, with this forward's signature)."""
+        return Attention(mc)
 
     def make_mlp(self, mc: ModelConfig, layer_idx: int) -> nn.Module:
         """The feed-forward block of layer `layer_idx` (an MoE family returns its expert block where it is sparse)."""
@@ -224,6 +237,7 @@ class Transformer(nn.Module):
     # (backends/cpu.py), as it replaces the nn.Linear modules' forward.
     tied_head_linear = staticmethod(F.linear)
     decoder_layer = DecoderLayer  # a family with other layers (MoE) subclasses with its own
+    rope_tables = RopeTables  # ... and with another rotary part (latent attention) its tables
 
     def __init__(self, mc: ModelConfig):
         super().__init__()
@@ -233,16 +247,23 @@ class Transformer(nn.Module):
         self.norm = RMSNorm(mc.hidden_size, mc.rms_norm_eps, DTYPE[mc.layernorm_compute_dtype])
         # With tied embeddings the output projection reuses embed_tokens.weight (see output_weight()).
         self.lm_head = None if mc.tie_word_embeddings else nn.Linear(mc.hidden_size, mc.vocab_size, bias=False)
-        self.rope = RopeTables(mc)
+        self.rope = self.rope_tables(mc)
 
     def forward(
-        self, h: torch.Tensor, cache: KVCache | None = None, documents: torch.Tensor | None = None
+        self,
+        h: torch.Tensor,
+        cache: KVCache | None = None,
+        documents: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
+        mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """h: token ids [batch, seq] on the first stage, hidden states [batch, seq, hidden] after it.
-        documents: [batch, seq] document index of every position (None: each row is one document)."""
+        documents: [batch, seq] document index of every position (None: each row is one document).
+        positions [batch, seq] and mask [batch, 1, seq, keys]: an explicit layout instead of `documents` (the rotary
+        position of every token and which keys each may attend); the mask goes to the attention blocks as it is, so
+        an installed `Attention.attend` may take another form of it (context parallelism's KeyLayout)."""
         start = cache.pos if cache is not None else 0
-        positions = mask = None
-        if documents is not None or (cache is not None and cache.documents is not None):
+        if positions is None and (documents is not None or (cache is not None and cache.documents is not None)):
             positions, mask = document_layout(h.shape[0], h.shape[1], documents, cache, h.device)
         if self.embed_tokens is not None:
             h = self.embed_tokens(h)

@@ -1,7 +1,15 @@
 """The MoE Llama family (Mixtral, Qwen2-MoE, Qwen3-MoE): Llama attention with Mixture-of-Experts blocks (model.py),
 its config.json and per-expert tensor names (hf.py), and its entry in the model-family registry."""
 
-from meshformer.models.llama_moe.hf import CONFIG_TYPES, HF_MODEL_TYPES, config_from_hf, config_to_hf
+from meshformer.models.llama_moe.hf import (
+    CONFIG_TYPES,
+    HF_MODEL_TYPES,
+    config_from_hf,
+    config_to_hf,
+    from_hf,
+    from_hf_tensors,
+    to_hf_for,
+)
 from meshformer.models.llama_moe.model import MoeDecoderLayer, MoeTransformer, param_count, tp_plan
 from meshformer.models.registry import ModelFamily, register_family
 
@@ -14,6 +22,9 @@ LLAMA_MOE = ModelFamily(
     param_count=param_count,
     config_from_hf=config_from_hf,
     config_to_hf=config_to_hf,
+    from_hf=from_hf,
+    from_hf_tensors=from_hf_tensors,
+    to_hf_for=to_hf_for,
     moe=True,
 )
 register_family(LLAMA_MOE)

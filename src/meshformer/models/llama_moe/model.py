@@ -39,5 +39,21 @@ def tp_plan(model: nn.Module) -> dict[str, str]:
     plan = llama_tp_plan(model)
     for name in ("gate_proj", "up_proj"):
         plan[f"layers.*.mlp.shared_experts.{name}"] = "colwise"
-    plan["layers.*.mlp.shared_experts.down_proj"] = "rowwise"
+    plan.update(moe_tp_plan(model))
+    return plan
+
+
+def moe_tp_plan(model: nn.Module) -> dict[str, str]:
+    """What tensor parallelism does to MoE blocks (any family): router and routed experts whole on every tp rank
+    (expert parallelism splits the experts, parallel/expert_parallel.py), shared experts like a dense MLP but with
+    the whole output, so the block's output is cut to the sequence shard once (parallel/tp.py `moe_block`)."""
+    plan = {
+        "layers.*.mlp.gate": "whole",
+        "layers.*.mlp.experts": "whole",
+        "layers.*.mlp.shared_expert_gate": "replicated_local",
+        "layers.*.mlp.shared_experts.down_proj": "rowwise_full",
+    }
+    for name, layer in model.layers.items():
+        if isinstance(layer.mlp, MoEBlock):  # exact paths win over the dense MLP's "layers.*.mlp" glob
+            plan[f"layers.{name}.mlp"] = "moe_block"
     return plan

@@ -26,9 +26,20 @@ class GroupedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x: [rows, hidden] sorted by expert, rows == counts.sum(); counts: [local experts] int."""
-        gate, up, down = _local(self.gate_proj), _local(self.up_proj), _local(self.down_proj)
-        if x.dtype != gate.dtype:  # under autocast the stacked weights are not cast by F.linear: cast here
-            gate, up, down = gate.to(x.dtype), up.to(x.dtype), down.to(x.dtype)
+        return self.compute(x, counts, *self.local_weights())
+
+    def local_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """gate, up, down as this rank computes with them (its experts' shards under expert parallelism)."""
+        return _local(self.gate_proj), _local(self.up_proj), _local(self.down_proj)
+
+    def compute(self, x, counts, gate, up, down) -> torch.Tensor:
+        """The experts' math on given weights (expert parallelism passes its local shards)."""
+        # Autocast has no rule for grouped matmuls (nor for stacked weights): cast to its dtype here, as it
+        # would cast a linear's input and weight.
+        dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+        x = x.to(dtype)
+        if gate.dtype != dtype:
+            gate, up, down = gate.to(dtype), up.to(dtype), down.to(dtype)
         use = self.use_gmm if self.use_gmm is not None else grouped_mm_supported(x, gate, down)
         if use:
             return grouped_experts(x, counts, gate, up, down)

@@ -5,8 +5,8 @@ each result goes back to its (token, choice) slot before the weighted sum, so th
 token's output does not depend on which other tokens share its experts (the same in one process and under expert
 parallelism). With `capacity_factor` an expert takes at most its capacity of a micro-batch's rows; the rest are
 dropped by lowest gate weight first (balance.py `capacity_keep`) and contribute zero, and the dropped fraction is
-reported. Load-balancing losses, the z-loss and the statistics that the bias update and the metrics read are
-balance.py's (`account`).
+reported (train/moe_balance.py). Load-balancing losses, the z-loss and the statistics that the bias update and the
+metrics read are balance.py's (`account`).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from meshformer.config.schema import ModelConfig
+from meshformer.config.validate_moe import aux_losses
 from meshformer.models.moe import balance
 from meshformer.models.moe.experts import GroupedExperts
 from meshformer.models.moe.router import Router
@@ -50,6 +51,8 @@ class MoEBlock(nn.Module):
         self.shared_experts = SwiGLU(mc.hidden_size, shared) if shared else None
         self.shared_expert_gate = nn.Linear(mc.hidden_size, 1, bias=False) if shared and m.shared_expert_gate else None
         self.stats = balance.LayerStats(m.expert_num)  # this step's load (balance.py), not a parameter
+        self.aux_losses = aux_losses(mc)  # {balancing loss type: coefficient} (balance.py)
+        self.needs_global_counts = "global_batch" in self.aux_losses  # train/moe_balance.py routing_prepass
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [batch, seq, hidden] -> the same shape."""

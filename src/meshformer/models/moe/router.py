@@ -4,7 +4,9 @@ Variants (the families' own code, transformers 5.x): softmax scores, top-k, opti
 Qwen-MoE with norm_topk_prob); DeepSeek-V2's group-limited greedy (groups scored by their best expert); DeepSeek-V3's
 sigmoid scores with a score-correction bias that only chooses experts (noaux_tc: groups scored by the sum of their top
 two biased scores), weights from the unbiased scores, renormalised, times routed_scaling_factor. Masked groups are
-filled with 0.0, as Hugging Face does (torchtitan uses -inf; they differ only when biased scores are negative).
+filled with -inf, as transformers 5's DeepSeek-V3 and torchtitan do (DeepSeek-V2's 0.0 chooses the same experts:
+its softmax scores are positive, and validation keeps at least top-k experts in the groups a token may use; with a
+bias, biased scores can be negative and 0.0 would let a masked expert win).
 """
 
 from __future__ import annotations
@@ -50,9 +52,15 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor) -> RouterOutput:
         """x: [tokens, hidden]."""
-        logits = F.linear(x.float(), self.weight.float())
+        weight = self.weight.to_local() if hasattr(self.weight, "to_local") else self.weight  # replicated over tp
+        with torch.autocast(x.device.type, enabled=False):  # fp32 even inside a bf16 step's autocast
+            logits = F.linear(x.float(), weight.float())
         scores = logits.sigmoid() if self.sigmoid else logits.softmax(dim=-1)
-        choice = scores if self.e_score_correction_bias is None else scores + self.e_score_correction_bias
+        bias = self.e_score_correction_bias
+        if bias is not None:  # replicated over tp like the weight (a DTensor there)
+            choice = scores + (bias.to_local() if hasattr(bias, "to_local") else bias)
+        else:
+            choice = scores
         if self.topk_method != "greedy" and self.n_group > 1:
             choice = self._limit_groups(choice)
         indices = torch.topk(choice, self.top_k, dim=-1, sorted=False).indices
@@ -69,4 +77,4 @@ class Router(nn.Module):
             group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)
         keep = torch.topk(group_scores, self.topk_group, dim=-1, sorted=False).indices
         mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, keep, True)
-        return grouped.masked_fill(~mask[..., None], 0.0).view_as(choice)
+        return grouped.masked_fill(~mask[..., None], float("-inf")).view_as(choice)

@@ -1,0 +1,33 @@
+"""The DeepSeek family (DeepSeek-V2, V2-Lite, V3): multi-head latent attention (mla.py, its rotary and YaRN in
+rope_yarn.py) with Mixture-of-Experts blocks (model.py), its config.json and per-expert tensor names (hf.py), and its
+entry in the model-family registry. Multi-token prediction is left out (model.py says why)."""
+
+from meshformer.models.deepseek.hf import (
+    CONFIG_TYPES,
+    HF_MODEL_TYPES,
+    config_from_hf,
+    config_to_hf,
+    from_hf_tensors,
+    to_hf_tensors,
+)
+from meshformer.models.deepseek.mla import LatentAttention, LatentCache
+from meshformer.models.deepseek.model import DeepseekTransformer, param_count, tp_plan
+from meshformer.models.registry import ModelFamily, register_family
+
+DEEPSEEK = ModelFamily(
+    name="deepseek",
+    config_types=tuple(config_type for config_type, _ in CONFIG_TYPES.values()),
+    hf_model_types=HF_MODEL_TYPES,
+    build=DeepseekTransformer,
+    tp_plan=tp_plan,
+    param_count=param_count,
+    config_from_hf=config_from_hf,
+    config_to_hf=config_to_hf,
+    from_hf_tensors=from_hf_tensors,
+    to_hf_tensors=to_hf_tensors,
+    moe=True,
+    latent_attention=True,
+)
+register_family(DEEPSEEK)
+
+__all__ = ["DEEPSEEK", "DeepseekTransformer", "LatentAttention", "LatentCache", "param_count", "tp_plan"]
