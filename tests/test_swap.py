@@ -133,12 +133,15 @@ def test_compile_auto_decides_by_device_layout_and_run_length(monkeypatch):
 
     from meshformer.parallel.parallelize import CPU_COMPILE_MIN_FLOPS, compile_decision
 
-    def env(device="cpu", tp=1, world=1):
-        return SimpleNamespace(device=torch.device(device), tp_size=tp, world_size=world)
+    def env(device="cpu", tp=1, world=1, cp=1, ep=1):
+        dims = SimpleNamespace(cp=cp, ep=ep)
+        return SimpleNamespace(device=torch.device(device), tp_size=tp, world_size=world, dims=dims)
 
     auto, big = _cfg(), 2 * CPU_COMPILE_MIN_FLOPS
     assert compile_decision(auto, env("cuda"), None)[0]
     assert not compile_decision(auto, env("cuda", tp=2), big)[0]
+    assert "context parallel" in compile_decision(auto, env("cuda", cp=2), big)[1]
+    assert "expert parallelism" in compile_decision(auto, env("cuda", ep=2), big)[1]
     assert not compile_decision(_cfg(**{"swap_config.swap": True}), env("cuda"), big)[0]
     assert compile_decision(auto, env(), big) == (True, "compile: auto -> on (200 TFLOP per process)")
     on, why = compile_decision(auto, env(world=4), big)  # the work is per process: 50 TFLOP each
