@@ -116,3 +116,36 @@ def test_cpu_offload_moves_the_states_to_the_host_and_needs_sharding(capsys):
     assert main(["plan", SEED, "--parallel_config.cpu_offload", "true"]) == 2
     err = capsys.readouterr().err
     assert "parallel_config.cpu_offload=true offloads FSDP's shards" in err and err.count("\n") == 1
+
+
+def test_a_long_sequence_under_recompute_is_told_when_context_parallel_beats_it(capsys):
+    """At 32k tokens the 16-layer model needs recompute on this layout; cp2 on half the data-parallel ranks fits with
+    recompute off and saves its extra forward for a K/V all-gather: the doctor compares the two. At the seed's 2,048
+    tokens the same layout gets no such advice."""
+    long = [*BF16, "--parallel_config.optimizer_shard", "true", "--recompute_config.recompute", "true"]
+    long += ["--model.model_config.num_layers", "16", "--train_dataset.batch_size", "1"]
+    rc, out = doctor(capsys, *long, "--model.model_config.seq_length", "32768")
+    assert "seq_length 32768 with recompute: parallel_config.context_parallel: 2, data_parallel: 1" in out, out
+    assert "faster" in out and "K/V all-gather of 17.2 GB per step" in out
+    rc, out = doctor(capsys, *long)
+    assert "context_parallel: 2" not in out
+
+
+def test_the_k_v_gathers_of_context_parallel_are_in_the_step_time():
+    """Per attention layer and micro-batch a cp rank receives (cp-1)/cp of 2 x micro_batch x seq x kv_heads/tp x
+    head_dim values when gathering, and sends as much back in backward: the planner's cp bytes, and they cost time."""
+    import types
+
+    from meshformer.cli.plan_cmd import build
+
+    base = ["--model.model_config.compute_dtype", "bfloat16", "--model.model_config.seq_length", "8192"]
+    args = types.SimpleNamespace(config=SEED, devices=None, nodes=1, accelerator="H100", device_memory=None)
+    plans = {}
+    for cp in (1, 2):
+        args.overrides = [*base, "--parallel_config.context_parallel", str(cp), "--parallel_config.data_parallel", "1"]
+        cfg, plans[cp] = build(args)
+    mc, t = cfg.model.model_config, plans[2].throughput
+    kv = 2 * plans[2].micro_batch * 8192 * (mc.num_kv_heads // 2) * mc.dim_per_head * 2
+    assert t.cp_bytes == 2 * (mc.num_layers / 2) * plans[2].n_micro * kv / 2
+    assert plans[1].throughput.cp_bytes == 0 and t.cp_s > 0
+    assert plans[2].throughput.tp_bytes == plans[1].throughput.tp_bytes / 2  # a cp rank's tp traffic: its tokens

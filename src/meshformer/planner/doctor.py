@@ -11,6 +11,9 @@
 5. fp32 compute where the seed's recipe uses bf16 (half the activation memory, several times the matmul speed).
 6. Mixture-of-Experts: routed experts' states dominating a rank (a larger `expert_parallel` divides them; also a
    memory knob), and expert parallelism's all-to-all taking a large share of the step (ep spanning nodes).
+7. A long sequence under recompute: context parallelism (half the data-parallel ranks) with recompute off, when the
+   planner finds that it fits and is faster (cp halves a rank's activations for a K/V all-gather per layer, where
+   recompute repeats a forward). Also a memory knob.
 Each finding is (severity, text); severity "error" makes the command exit 1.
 """
 
@@ -113,6 +116,14 @@ def memory_findings(plan: Plan) -> list[Finding]:
             (
                 "parallel_config.cpu_offload: true with optimizer_shard (states in host memory)",
                 {"parallel_config.optimizer_shard": True, "parallel_config.cpu_offload": True},
+            )
+        )
+    if pc.context_parallel == 1 and pc.data_parallel % 2 == 0:
+        options.append(
+            (
+                f"parallel_config.context_parallel: 2 with data_parallel {pc.data_parallel // 2} (each rank holds half "
+                f"of every sequence)",
+                {"parallel_config.context_parallel": 2, "parallel_config.data_parallel": pc.data_parallel // 2},
             )
         )
     if plan.moe is not None and (choices := _ep_choices(plan)):
@@ -293,10 +304,44 @@ def expert_findings(plan: Plan) -> list[Finding]:
     return out
 
 
+def context_findings(plan: Plan) -> list[Finding]:
+    """Recompute on a layout that context parallelism (cp 2 on half the data-parallel ranks, recompute off) would fit
+    faster: the two knobs that pay for a long sequence's activations, compared on the planner's figures."""
+    cfg, pc, rc = plan.cfg, plan.cfg.parallel_config, plan.cfg.recompute_config
+    if pc.context_parallel != 1 or pc.data_parallel % 2 or not (rc.recompute or rc.select_recompute):
+        return []
+    change = {
+        "parallel_config.context_parallel": 2,
+        "parallel_config.data_parallel": pc.data_parallel // 2,
+        "recompute_config.recompute": False,
+        "recompute_config.select_recompute": False,
+    }
+    plain = _variant(plan, **{k: v for k, v in change.items() if k.startswith("recompute_config")})
+    if plain is not None and plain.fits:  # recompute is not needed at all: nothing to trade it for
+        return []
+    alt = _variant(plan, **change)
+    if alt is None or not alt.fits:
+        return []
+    now, then = plan.throughput.tokens_per_s, alt.throughput.tokens_per_s
+    if then <= now:
+        return []
+    return [
+        Finding(
+            "warning",
+            f"seq_length {cfg.model.model_config.seq_length} with recompute: parallel_config.context_parallel: 2, "
+            f"data_parallel: {pc.data_parallel // 2} and recompute off fits ({_worst(alt) / GIB:.1f} GiB per rank) "
+            f"and is predicted {then / now - 1:.0%} faster ({then:,.0f} against {now:,.0f} tokens/s): splitting the "
+            f"sequence halves a rank's activations for a K/V all-gather of {alt.throughput.cp_bytes / 1e9:.1f} GB per "
+            f"step, where recompute repeats each layer's forward",
+        )
+    ]
+
+
 def diagnose(plan: Plan, target_samples_per_s: float | None = None) -> list[Finding]:
     return [
         *memory_findings(plan),
         *expert_findings(plan),
+        *context_findings(plan),
         *bubble_findings(plan),
         *topology_findings(plan),
         *target_findings(plan, target_samples_per_s),

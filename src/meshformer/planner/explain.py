@@ -92,10 +92,11 @@ def explain(plan: Plan) -> list[str]:
         f"{t.compute_s:.3f} s; "
         f"bubble (p-1)/(v*m+p-1) = {t.bubble_fraction:.1%}",
         f"communication per rank: tp {t.tp_bytes / 1e9:.2f} GB in {t.tp_s:.3f} s, dp {t.dp_bytes / 1e9:.2f} GB in "
-        f"{t.dp_s:.3f} s (hidden behind 80% of compute), pp {t.pp_bytes / 1e9:.2f} GB in {t.pp_s:.3f} s",
+        f"{t.dp_s:.3f} s (hidden behind 80% of compute), pp {t.pp_bytes / 1e9:.2f} GB in {t.pp_s:.3f} s, cp (K/V "
+        f"gathers) {t.cp_bytes / 1e9:.2f} GB in {t.cp_s:.3f} s",
         f"activation swap: {t.swap_bytes / 1e9:.2f} GB each way over {plan.accelerator.host_bw / 1e9:.0f} GB/s, "
         f"overlapping forward (1/3 of compute) and backward (2/3): {t.swap_s:.3f} s on the critical path",
-        f"step = compute / (1 - bubble) + tp + pp + ep + swap + max(0, dp - 0.8 x compute) = {t.step_time_s:.3f} s -> "
-        f"{t.tokens_per_s:,.0f} tokens/s, MFU {t.mfu:.1%}",
+        f"step = compute / (1 - bubble) + tp + pp + ep + cp + swap + max(0, dp - 0.8 x compute) = "
+        f"{t.step_time_s:.3f} s -> {t.tokens_per_s:,.0f} tokens/s, MFU {t.mfu:.1%}",
     ]
     return lines

@@ -17,9 +17,14 @@ all-gather or reduce-scatter):
   pipeline         T x h (/ t) activations forward and their gradients backward per stage boundary and micro-batch
   expert parallel  all-to-all of the routed rows, dispatch + combine forward and backward (planner/experts.py);
                    routed experts' gradients reduce over dp_replicate x efsdp, the rest over data parallel
+  context parallel per attention layer and micro-batch, the all-gather of K and V over cp (2 x micro_batch x seq x
+                   kv_heads / tp x head_dim, (cp-1)/cp of it received) forward, its reduce-scatter backward, one
+                   more all-gather with full recompute (parallel/context_parallel.py); tp and pp move a cp rank's
+                   seq / cp tokens
 Activation swap: the swapped bytes go to host memory during forward (overlapping its third of the compute) and
 come back during backward (its two thirds), at the accelerator's host link bandwidth.
-Step time = compute / (1 - bubble) + tensor-parallel, pipeline and all-to-all transfers (on the critical path) + swap
+Step time = compute / (1 - bubble) + tensor-parallel, pipeline, all-to-all and K/V-gather transfers (on the critical
+path) + swap
 + the part of the data-parallel transfers that does not hide behind the backward pass (assumed: all but 20% of compute).
 Bubble = (p - 1) / (m + p - 1) for GPipe and 1F1B, divided by v for interleaved schedules with v stages per rank.
 """
@@ -57,6 +62,8 @@ class Throughput:
     swap_s: float = 0.0  # the part of the swap copies that does not hide behind compute
     ep_bytes: float = 0.0  # expert parallelism's all-to-all, per rank and step, sent (planner/experts.py)
     ep_s: float = 0.0  # its time (on the critical path)
+    cp_bytes: float = 0.0  # context parallelism's K/V all-gathers and their reduce-scatters, per rank and step
+    cp_s: float = 0.0  # their time (on the critical path: attention waits for the gathered keys)
 
 
 def flops_per_token(cfg: MeshformerConfig) -> float:
@@ -98,7 +105,7 @@ def predict(
     compute = hardware / world / (peak * acc.efficiency)
     bubble = bubble_fraction(cfg, n_micro)
 
-    T, h, L = micro_batch * mc.seq_length, mc.hidden_size, mc.num_layers
+    T, h, L = micro_batch * mc.seq_length // dims.cp, mc.hidden_size, mc.num_layers  # a cp rank's tokens
     layers_per_rank = L / dims.pp
     t, d = dims.tp, dims.dp
     calls = 4 + (2 if recompute_share(cfg) else 0)
@@ -111,6 +118,7 @@ def predict(
         d_experts, local_experts = dims.dp_replicate * dims.efsdp, routed / (dims.ep * dims.pp)
         dp_bytes += _dp_bytes(d_experts, dims.dp_shard > 1, local_experts, gathers, a)
     ep_bytes = moe.a2a_bytes if moe is not None else 0.0
+    cp_bytes = _cp_bytes(cfg, dims, micro_batch, n_micro, layers_per_rank, a)
     pp_bytes = 2 * n_micro * T * h * a / (t if cfg.parallel_config.use_seq_parallel else 1) if dims.pp > 1 else 0.0
     per_node = max(1, world // max(1, nodes))
     tp_bw = acc.intra_bw if t <= per_node else acc.inter_bw
@@ -118,10 +126,11 @@ def predict(
     pp_bw = acc.inter_bw if nodes > 1 and dims.pp > 1 else acc.intra_bw
     tp_s, dp_s, pp_s = tp_bytes / tp_bw, dp_bytes / dp_bw, pp_bytes / pp_bw
     ep_s = ep_bytes / (acc.intra_bw if dims.ep * dims.tp <= per_node else acc.inter_bw)
+    cp_s = cp_bytes / (acc.intra_bw if dims.cp * dims.tp <= per_node else acc.inter_bw)
     swap_bytes = swapped_bytes if swapped_bytes is not None else 0.0
     swap_t = swap_bytes / acc.host_bw
     swap_s = max(0.0, swap_t - compute / 3) + max(0.0, swap_t - 2 * compute / 3)
-    step = compute / (1 - bubble) + tp_s + pp_s + ep_s + swap_s + max(0.0, dp_s - 0.8 * compute)
+    step = compute / (1 - bubble) + tp_s + pp_s + ep_s + cp_s + swap_s + max(0.0, dp_s - 0.8 * compute)
     return Throughput(
         fpt,
         model_flops,
@@ -142,7 +151,21 @@ def predict(
         swap_s,
         ep_bytes,
         ep_s,
+        cp_bytes,
+        cp_s,
     )
+
+
+def _cp_bytes(
+    cfg: MeshformerConfig, dims: ParallelDims, micro_batch: int, n_micro: int, layers: float, a: int
+) -> float:
+    """Bytes a cp rank receives per step for the gathered keys and values (module docstring)."""
+    if dims.cp == 1:
+        return 0.0
+    mc = cfg.model.model_config
+    kv = 2 * micro_batch * mc.seq_length * (mc.num_kv_heads // dims.tp) * mc.dim_per_head * a
+    calls = 2 + (1 if recompute_share(cfg) else 0)
+    return calls * layers * n_micro * kv * (dims.cp - 1) / dims.cp
 
 
 def _dp_bytes(d: int, sharded: bool, local_params: float, gathers: int, a: int) -> float:
