@@ -163,7 +163,25 @@ def _stuck(phase: str, grace: float, tmp_path: Path) -> subprocess.Popen:
         start_new_session=True,
     )
     assert proc.stdout.readline().strip() == "ready"
+    # "ready" is printed just before os.system: a signal sent now could still meet a bytecode boundary and take
+    # the Python-handler path. Its child existing means the main thread is inside the C call.
+    deadline = time.time() + 30
+    while not _children(proc.pid):
+        assert time.time() < deadline and proc.poll() is None, "the stuck script never started its C call"
+        time.sleep(0.05)
     return proc
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                if int((d / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                    found.append(int(d.name))
+            except (OSError, IndexError, ValueError):
+                continue
+    return found
 
 
 def _end(proc: subprocess.Popen, within: float) -> tuple[str, str, float]:
