@@ -51,9 +51,9 @@ def main() -> None:
     for spec in args.cases:
         case, _, variant = spec.partition(":")
         variant = variant or "fp32"
-        cfg = harness.make_cfg({**harness.VARIANTS[variant], **harness.CASES[case][0]})
+        overrides, n_micro = harness.spec_of(case)
+        cfg = harness.make_cfg({**harness.VARIANTS[variant], **overrides})
         dims = ParallelDims.from_config(cfg, args.nproc)
-        n_micro = harness.CASES[case][1]
         stages = plan_memory(cfg, dims, harness.GLOBAL_BATCH // dims.dp // n_micro, n_micro)
         for rank in range(args.nproc):
             m = results.get(f"{case}:{variant}:memory:{rank}")

@@ -28,6 +28,8 @@ class ActivationShape:
     residual: int  # element bytes of the residual stream between layers (a received pipeline buffer's too)
     casts: bool  # autocast narrows a wider residual stream, once for every linear that keeps its input
     autocast: bool  # compute_dtype differs from param_init_type (the forward runs under autocast)
+    ep: int = 1  # expert-parallel degree (selective recompute keeps its all-to-alls' outputs)
+    expert_copies: bool = False  # autocast casts the routed experts' weights (no data parallelism gathers them low)
 
     @property
     def tokens(self) -> int:

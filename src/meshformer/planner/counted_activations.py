@@ -8,8 +8,9 @@ model's parameters and buffers, views of them and autocast's copies of weights a
 adds the copies itself, as for every family). A second forward with every layer under parallel/recompute.py's
 selective policy counts what a selectively recomputed layer keeps (the kept outputs reported to KEPT_LISTENERS
 plus the layer input the checkpoint saves); a fully recomputed layer keeps its input. An `MoEBlock` (models/moe/)
-cannot run on fake tensors (how many rows each expert gets is data), so a stand-in adds its bytes in closed form
-(models/moe/activations.py) and the rest of the layer, its attention whatever the family, is counted as above.
+cannot run its routed experts on fake tensors (how many rows each expert gets is data), so a stand-in runs its
+router and shared experts and adds the routed experts' bytes in closed form (models/moe/activations.py); the rest
+of the layer, its attention whatever the family, is counted as above.
 
 Tensor parallelism is not run: the layer is counted whole, and each saved tensor is cut by the style of the
 innermost module of the tensor-parallel plan it was saved in (parallel/tp.py's styles, as Megatron's layout
@@ -18,11 +19,11 @@ keeps its whole input and makes a sharded output, a row-parallel one keeps a sha
 (partial) output, and what lies in a `gather_sequence` module's region between them (attention, the MLP's
 element-wise work) and a `head_norm` are sharded. Selective recompute under tensor parallelism also keeps the
 outputs of the layer's collectives: one all-reduce per row-parallel module, or under SP one reduce-scatter per
-row-parallel module and one all-gather of each `gather_sequence` module's input. Not modelled: what a split
-backward frees at its weight step (the whole set is kept to the step's end, an overestimate), a module whose
-saved tensors do not follow those styles (a family that shards other work), and a frozen non-linear weight's
-autocast copy of a shape no frozen 2-D parameter has. tests/test_planner_family.py holds the counter to the Llama
-formulas and to a toy family's measured step.
+row-parallel module and one all-gather of each `gather_sequence` (and `moe_block`) module's input. Not modelled:
+what a split backward frees at its weight step (the whole set is kept to the step's end, an overestimate), a
+module whose saved tensors do not follow those styles (a family that shards other work), and a frozen non-linear
+weight's autocast copy of a shape no frozen 2-D parameter has. tests/test_planner_family.py holds the counter to
+the Llama formulas and to a toy family's measured step.
 """
 
 from __future__ import annotations
@@ -50,6 +51,14 @@ _CUTS = {
     "rowwise_to_replicated": ("tp", 1),
     "gather_sequence": ("tp", "tp"),
     "vocab_embedding": (1, 1),
+    # an MoE block computes on the whole sequence on every tp rank (its router and routed experts whole), its
+    # shared experts end in a row-parallel linear with the whole output; "tp_region" is the planner's name for
+    # what lies between their column- and row-parallel linears
+    "moe_block": (1, 1),
+    "whole": (1, 1),
+    "replicated_local": (1, 1),
+    "rowwise_full": ("tp", 1),
+    "tp_region": ("tp", "tp"),
     None: ("sp", "sp"),  # outside every planned module: the residual stream
 }
 _HEAD = "head"
@@ -93,7 +102,7 @@ class _Count:
     """One fake forward's bytes by layer key (and _HEAD), each layer's input bytes and output's requires_grad."""
 
     def __init__(self, shape: ActivationShape, styles: dict[str, str], weights: list[torch.Tensor]):
-        self.shape, self.styles = shape, styles
+        self.shape, self.styles = shape, dict(styles)
         self.bytes: dict[str, int] = {}
         self.inputs: dict[str, int] = {}
         self.grad_out: dict[str, bool] = {}
@@ -178,19 +187,36 @@ def _count(mc, piece, shape: ActivationShape, grad_in: bool, styles: dict[str, s
 
 
 class _CountedMoE(nn.Module):
-    """Stands in for an MoEBlock, whose routing a fake forward cannot run (its rows per expert depend on the
-    data): adds the block's bytes in closed form (models/moe/activations.py) to the running layer, and passes its
-    input on (a clone saves nothing)."""
+    """Stands in for an MoEBlock, whose routing a fake forward cannot run (how many rows each expert gets is the
+    data's): its router, shared experts and shared-expert gate run on the fake input and are counted like any
+    module (they are registered under the block's own names, so the tensor-parallel styles find them); the routed
+    experts' bytes are added in closed form (models/moe/activations.py). The input passes on (a clone saves
+    nothing)."""
 
     def __init__(self, block: nn.Module, mc, count: "_Count", selective: bool):
         super().__init__()
-        self.block, self.mc, self.count, self.selective = block, mc, count, selective
+        self.gate, self.shared_experts, self.shared_expert_gate = (
+            block.gate,
+            block.shared_experts,
+            block.shared_expert_gate,
+        )
+        self.mc, self.count, self.selective = mc, count, selective
+        self.experts_train = block.experts.gate_proj.requires_grad
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from meshformer.models.moe.activations import moe_block_bytes
+        from meshformer.models.moe.activations import routed_bytes
 
         sh = self.count.shape
-        saved, kept = moe_block_bytes(self.mc, x.shape[0] * x.shape[1], x.element_size(), sh.compute, sh.autocast)
+        flat = x.reshape(-1, x.shape[-1])
+        self.gate(flat)
+        if self.shared_experts is not None:
+            shared = self.shared_experts(flat)
+            if self.shared_expert_gate is not None:
+                torch.sigmoid(self.shared_expert_gate(flat)) * shared
+        experts = sh.compute if sh.autocast else x.element_size()
+        saved, kept = routed_bytes(
+            self.mc, flat.shape[0], x.element_size(), experts, self.experts_train, sh.expert_copies, sh.ep
+        )
         if self.count.layer not in (None, _HEAD):
             self.count.add(self.count.layer, kept if self.selective else saved)
         return x.clone()
@@ -203,6 +229,9 @@ def _stand_in_moe_blocks(mc, model: nn.Module, count: "_Count", selective: bool)
         if isinstance(module, MoEBlock):
             parent, _, leaf = name.rpartition(".")
             setattr(model.get_submodule(parent), leaf, _CountedMoE(module, mc, count, selective))
+            if count.styles and module.shared_experts is not None:
+                # the shared experts' element-wise work lies between their column- and row-parallel linears
+                count.styles[f"{name}.shared_experts"] = "tp_region"
 
 
 def _first_tensor(value) -> torch.Tensor | None:
@@ -236,7 +265,7 @@ def _track(model: nn.Module, count: _Count, layer_keys: dict[int, str], canonica
             if id(mod) in layer_keys:
                 count.layer = layer_keys[id(mod)]
                 count.inputs[count.layer] = _nbytes(_first_tensor(args)) // (shape.tp if shape.sp else 1)
-            elif collectives and shape.sp and style == "gather_sequence" and in_layer():
+            elif collectives and shape.sp and style in ("gather_sequence", "moe_block") and in_layer():
                 count.add(count.layer, _nbytes(_first_tensor(args)))  # the all-gather's output: the whole sequence
 
         def leave(mod, args, out, style=style):

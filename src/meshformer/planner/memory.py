@@ -206,7 +206,21 @@ def stage_memory(
     residual = dt["compute"] if gathered_low or not autocast else _size(mc.param_init_type)
     casts = residual > dt["compute"]
     layer_input = T * mc.hidden_size * residual // (tp if sp else 1)
-    shape = ActivationShape(micro_batch, mc.seq_length, tp, sp, dt["norm"], dt["compute"], residual, casts, autocast)
+    # FSDP over the experts' own mesh gathers them in the compute dtype only where it shards or replicates them
+    experts_gathered_low = gathered_low and (dims.ep == 1 or dims.efsdp * dims.dp_replicate > 1)
+    shape = ActivationShape(
+        micro_batch,
+        mc.seq_length,
+        tp,
+        sp,
+        dt["norm"],
+        dt["compute"],
+        residual,
+        casts,
+        autocast,
+        dims.ep,
+        expert_copies=autocast and not experts_gathered_low,
+    )
     n_stages = pc.pipeline_stage * _stages_per_rank(cfg)
     largest = 0
     swapped, swap_host = _swapped_layers(cfg, pieces), {}

@@ -6,7 +6,9 @@ Measured on the first step of every run, so a planner's prediction can be checke
 - activations: the peak of the bytes autograd holds for backward at once (saved-tensor hooks, second step, or the
   first in a one-step run: a pipeline stage's first step also runs torch's shape-inference forward). Under
   gradient accumulation that is one micro-batch; under a pipeline schedule, the micro-batches the stage holds in
-  flight. Parameters saved by the layers that use them are not counted again;
+  flight. Parameters saved by the layers that use them are not counted again, nor are the weights FSDP gathers
+  (which it frees after the forward whoever saved them), even when a layer computes on their local tensor (an
+  MoE router and experts under tensor and expert parallelism) rather than on the Parameter;
 - peak: on a GPU the CUDA allocator's peak; on the CPU (no allocator peak) the sum of the four.
 
 metrics.jsonl gets `mem_params_bytes`, `mem_grads_bytes`, `mem_optim_bytes`, `mem_activations_bytes` and
@@ -21,6 +23,7 @@ import weakref
 from pathlib import Path
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from meshformer.train.metrics import tensor_bytes
 
@@ -33,11 +36,20 @@ class ActivationCounter:
     parameter or a view of one, and any storage of the model's parameters and buffers
     (the rotary tables, frozen weights), is the model's, not an activation: skipped."""
 
-    def __init__(self, model_storages: set[int] | None = None):
+    def __init__(self, model_storages: set[int] | None = None, gathering: list[torch.nn.Module] | None = None):
         self.live = 0
         self.peak = 0
         self._holders: dict[tuple[int, int], int] = {}
         self._model = model_storages or set()  # addresses of the model's parameters and buffers
+        self._gathering = gathering or []  # FSDP units: their parameters are gathered into storages of their own
+        self._gathered: set[StorageWeakRef] = set()  # those storages (stable: FSDP resizes them, never replaces)
+
+    def _note_gathered(self, module, args) -> None:
+        # runs after FSDP's own pre-forward hook (prepended), which registers the unsharded parameters
+        with torch.no_grad():
+            for p in module.parameters():
+                local = p.to_local() if hasattr(p, "to_local") else p
+                self._gathered.add(StorageWeakRef(local.untyped_storage()))
 
     def _release(self, key: tuple[int, int], nbytes: int) -> None:
         left = self._holders.get(key, 0) - 1
@@ -62,6 +74,8 @@ class ActivationCounter:
             st = local.untyped_storage()
             key, nbytes = (st.data_ptr(), st.nbytes()), st.nbytes()
             if key[0] in self._model:  # a buffer (the rotary tables) or a frozen weight: the model's memory
+                return t
+            if self._gathered and StorageWeakRef(st) in self._gathered:  # a gathered weight's local tensor
                 return t
             weakref.finalize(t, self._release, key, nbytes)
         except (RuntimeError, NotImplementedError, TypeError):
@@ -91,11 +105,14 @@ class ActivationCounter:
         from meshformer.parallel.recompute import KEPT_LISTENERS
 
         KEPT_LISTENERS.append(self.pack)
+        handles = [m.register_forward_pre_hook(self._note_gathered) for m in self._gathering]
         try:
             with torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t):
                 yield
         finally:
             KEPT_LISTENERS.remove(self.pack)
+            for h in handles:
+                h.remove()
 
 
 def counter_for(parts) -> ActivationCounter:
@@ -103,7 +120,10 @@ def counter_for(parts) -> ActivationCounter:
     and buffers are the model's, and a pipeline stage's receive buffers are held through the step."""
     model = [*parts.parameters(), *(b for part in parts.parts for b in part.buffers())]
     locals_ = (t.to_local() if hasattr(t, "to_local") else t for t in model)
-    counter = ActivationCounter({t.untyped_storage().data_ptr() for t in locals_})
+    from torch.distributed.fsdp import FSDPModule
+
+    gathering = [m for part in parts.parts for m in part.modules() if isinstance(m, FSDPModule)]
+    counter = ActivationCounter({t.untyped_storage().data_ptr() for t in locals_}, gathering)
     counter.hold(parts.persistent_buffers())
     return counter
 
