@@ -1,7 +1,8 @@
 """Context-parallel checks on the parity harness's model (tests/test_context_parallel.py).
 
 usage: torchrun --nproc-per-node N tests/dist/cp_worker.py OUT DIR JOB:CASE[:VARIANT] ...
-- `parity:CASE[:VARIANT]` trains the harness's steps under CASE (then evaluates once), as parity_worker does;
+- `parity:CASE[:VARIANT]` trains the harness's steps under CASE (then evaluates once), as parity_worker does, and
+  records the metrics rank's memory of the second step (train/memory.py) as `memory:CASE:VARIANT`;
 - `save:CASE` trains SAVED_AT steps under CASE, saves weights and optimizer states through the trainer's
   CheckpointSaver into DIR/ckpt, then trains on to the end (the uninterrupted run); `resume` (one process, in the
   test) loads that checkpoint as a resumed run does (DCP reshards) and trains the remaining steps.
@@ -59,11 +60,11 @@ def run(job: str, case: str, variant: str, where: Path, world_size: int | None =
     overrides, n_micro = CASES[case] if case != "single" else ({}, 1)
     cfg = harness.make_cfg({**harness.VARIANTS[variant], **overrides})
     env = init_parallel(cfg, world_size)
-    packed = variant == "packed"
+    packed = harness.is_packed(variant)
     key = f"{job}:{case}:{variant}"
     if job == "parity":
-        out, _ = harness.run(cfg, env, n_micro, harness.VARIANT_TRANSFORMS.get(variant), packed=packed)
-        return {key: out}, env
+        out, memory = harness.run(cfg, env, n_micro, harness.VARIANT_TRANSFORMS.get(variant), packed=packed)
+        return {key: out, f"memory:{case}:{variant}": {k: v for k, v in memory.items() if k.startswith("mem_")}}, env
     built = build_parts(cfg, env)
     parts, opt = built.parts, Optimizers(built.parts.parts, cfg)
     ckpt = where / "ckpt"

@@ -187,6 +187,14 @@ VARIANTS["deepseek_v3"] = {
     _E + "balance_via_topk_bias": True, _E + "topk_bias_update_rate": 0.01,
 }  # fmt: skip
 MOE_VARIANTS = ("moe", "moe_bal", "moe_bal_seq", "moe_lora", "moe_bf16", "deepseek_v3")  # tests/test_expert_parallel.py
+# DeepSeek-V3 with the global-batch balancing loss instead of the sequence-wise one (tests/test_context_parallel.py
+# runs both); "_packed": every row packs several documents, as "packed"
+VARIANTS["deepseek_v3_gb"] = {
+    **VARIANTS["deepseek_v3"],
+    _E + "aux_loss_types": ["global_batch"],
+    _E + "aux_loss_factors": [0.01],
+}
+VARIANTS["deepseek_v3_gb_packed"] = VARIANTS["deepseek_v3_gb"]
 VARIANTS["moe_bal_seq"] = {
     **BALANCE,
     "model.model_config.moe_config.aux_loss_types": ["sequence"],
@@ -229,6 +237,11 @@ def spec_of(case: str) -> tuple[dict, int]:
 def world_of(case: str) -> int:
     o = spec_of(case)[0]
     return o.get(P + "data_parallel", 1) * o.get(P + "model_parallel", 1) * o.get(P + "pipeline_stage", 1)
+
+
+def is_packed(variant: str) -> bool:
+    """Whether a variant's rows pack several documents (batches(packed=True))."""
+    return variant == "packed" or variant.endswith("_packed")
 
 
 def make_cfg(overrides: dict):
@@ -328,7 +341,7 @@ def run_case(case: str, variant: str = "fp32", world_size: int | None = None):
     cfg = make_cfg(overrides)
     env = init_parallel(cfg, world_size)
     n_micro = spec_of(case)[1] if case else 1
-    out, memory = run(cfg, env, n_micro, VARIANT_TRANSFORMS.get(variant), packed=variant == "packed")
+    out, memory = run(cfg, env, n_micro, VARIANT_TRANSFORMS.get(variant), packed=is_packed(variant))
     return out, env, memory
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 
 from meshformer.config.schema import MeshformerConfig, ModelConfig
-from meshformer.config.validate_moe import aux_losses, validate_moe
+from meshformer.config.validate_moe import validate_moe
 from meshformer.errors import UserError
 
 # Schedules that need at least as many micro-batches as pipeline stages.
@@ -295,13 +295,6 @@ def check_context_parallel(cfg: MeshformerConfig) -> None:
             f"chunks: make seq_length a multiple of {2 * cp}, or choose context_parallel from {fits}"
         )
     not_yet = [
-        (
-            mc.is_moe and "sequence" in aux_losses(mc),
-            "the sequence-wise balancing loss (moe_config.aux_loss_types: sequence; it would see only a rank's "
-            "tokens of each row)",
-            "global_batch balancing",
-        ),
-        (mc.uses_mla, "latent attention (q_lora_rank/kv_lora_rank)", "a Llama-style attention"),
         (cfg.compile is True, "compile: true", "compile: auto or false"),
         (cfg.swap_config.swap, "swap_config.swap: true", "recompute_config.recompute"),
     ]

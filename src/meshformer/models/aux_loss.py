@@ -41,7 +41,7 @@ forward/backward; the reductions over ranks are the step's.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -54,6 +54,10 @@ class StepTotals:
     tokens: float  # token positions routed through each layer (padding included)
     sequences: float  # rows
     micro_batches: float  # forward passes
+    # Context parallelism: each rank holds 1/row_parts of every row's tokens; `sum_over_row` sums a per-row
+    # statistic over the ranks holding the rest of the same rows (a collective; identity without cp)
+    row_parts: int = 1
+    sum_over_row: Callable[[torch.Tensor], torch.Tensor] | None = None
 
 
 class AuxLossCollector:

@@ -12,6 +12,10 @@ positions), so no reordering copy is made; the attention call is checkpointed an
 the position vectors (`KeyLayout`), so no quadratic tensor outlives a layer. It runs on any device and backend
 (gloo included), where torch's `context_parallel` ring attention has no rule for the CPU attention kernel; the ring
 (GPU flash/efficient SDPA, no document masks) is not wired yet, and `note` says which path runs and why.
+Latent attention (DeepSeek-V2/V3, models/deepseek/mla.py) gathers what it caches instead: each token's compressed
+latent and rotary key (kv_lora_rank + qk_rope_head_dim numbers, 576 for DeepSeek-V3, against 128 heads x (192 +
+128) expanded), through its `gather_latent` seam, and every rank expands the whole row's keys and values with its
+kv_b_proj before the same masked attention; the rotary key is rotated at its global position before the gather.
 
 Everything else follows the sequence from outside the model: the step hands the model and the loss this rank's
 tokens and labels (`local_sequence`, train/step.py), so the token count and the loss reduce over "loss"
@@ -107,8 +111,8 @@ class ContextParallel:
         self.group = env.group("cp")
         self.device = env.device
         self.note = (
-            f"context parallel: cp={self.cp}, all-gather K/V attention (SDPA under the global causal/document "
-            f"mask, made per layer); "
+            f"context parallel: cp={self.cp}, all-gather K/V attention (latent attention: its latents; SDPA under "
+            f"the global causal/document mask, made per layer); "
             f"torch's ring attention is not wired: it has no CPU kernel rule and cannot apply document masks"
         )
 
@@ -127,16 +131,26 @@ class ContextParallel:
             raise ValueError(f"documents cover {documents.shape[1]} positions, the cp ranks' rows {seq}")
         return key_layout(self.positions(seq), self.gathered_positions(seq), documents)
 
+    def gather(self, t: torch.Tensor) -> torch.Tensor:
+        """`t` [b, heads, local, d] of every cp rank along the sequence, in rank order (an autograd all-gather: its
+        backward reduce-scatters the gradient back to each rank's part)."""
+        from meshformer.backends.torch_private import all_gather_autograd
+
+        return all_gather_autograd(t.contiguous(), 2, self.group)
+
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=None, scale=None) -> torch.Tensor:
         """Local queries [b, h, local, d] against every rank's keys and values (gathered along the sequence);
         `mask`: the root's KeyLayout."""
-        from meshformer.backends.torch_private import all_gather_autograd
+        return self.attend_gathered(q, self.gather(k), self.gather(v), mask, scale)
 
+    def attend_gathered(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=None, scale=None):
+        """Local queries [b, h, local, d] against keys and values already gathered from every rank (latent attention
+        gathers its latents and expands them itself); `mask`: the root's KeyLayout. The checkpoint keeps q, k and v:
+        contiguous ones, so that a view (latent attention's values, of kv_b_proj's output with the keys' part too)
+        does not keep a wider tensor alive."""
         if not isinstance(mask, KeyLayout):
             raise RuntimeError("context-parallel attention needs the root's KeyLayout (apply_context_parallel's hook)")
-        k = all_gather_autograd(k.contiguous(), 2, self.group)
-        v = all_gather_autograd(v.contiguous(), 2, self.group)
-        lay = mask
+        lay, k, v = mask, k.contiguous(), v.contiguous()
         return torch.utils.checkpoint.checkpoint(
             masked_attention, q, k, v, lay.queries, lay.keys, lay.q_docs, lay.k_docs, scale, use_reentrant=False
         )
@@ -154,21 +168,26 @@ class ContextParallel:
 
 def apply_context_parallel(model: nn.Module, env: ParallelEnv) -> str | None:
     """Install context parallelism on one model part (the whole model, or a pipeline stage's piece): every attention
-    block attends through the gathered keys and values, and the part's root computes the global layout of its
-    tokens (its input's sequence length is the local one). Returns which path runs."""
+    block attends through keys and values gathered from the cp ranks (a Llama block gathers K and V, a latent one
+    its per-token latents, expanded after), and the part's root computes the global layout of its tokens (its
+    input's sequence length is the local one). Returns which path runs."""
     if env.dims.cp == 1:
         return None
+    from meshformer.models.deepseek.mla import LatentAttention
     from meshformer.models.llama.model import Attention
 
     cp = ContextParallel(env)
-    blocks = [m for m in model.modules() if isinstance(m, Attention)]
+    blocks = [m for m in model.modules() if isinstance(m, (Attention, LatentAttention))]
     if not blocks:
         raise UserError(
-            f"parallel_config.context_parallel={cp.cp}: {type(model).__name__} has no Llama-style attention to "
-            "split (latent attention is not supported yet): set context_parallel: 1"
+            f"parallel_config.context_parallel={cp.cp}: {type(model).__name__} has no Llama-style or latent "
+            "attention to split: set context_parallel: 1"
         )
     for block in blocks:
-        block.attend = cp.attend
+        if isinstance(block, LatentAttention):
+            block.gather_latent, block.attend = cp.gather, cp.attend_gathered
+        else:
+            block.attend = cp.attend
     model.register_forward_pre_hook(cp.pre_hook, with_kwargs=True)
     return cp.note
 

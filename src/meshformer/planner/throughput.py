@@ -18,7 +18,8 @@ all-gather or reduce-scatter):
   expert parallel  all-to-all of the routed rows, dispatch + combine forward and backward (planner/experts.py);
                    routed experts' gradients reduce over dp_replicate x efsdp, the rest over data parallel
   context parallel per attention layer and micro-batch, the all-gather of K and V over cp (2 x micro_batch x seq x
-                   kv_heads / tp x head_dim, (cp-1)/cp of it received) forward, its reduce-scatter backward, one
+                   kv_heads / tp x head_dim, (cp-1)/cp of it received; latent attention: micro_batch x seq x
+                   (kv_lora_rank + qk_rope_head_dim)) forward, its reduce-scatter backward, one
                    more all-gather with full recompute (parallel/context_parallel.py); tp and pp move a cp rank's
                    seq / cp tokens
 Activation swap: the swapped bytes go to host memory during forward (overlapping its third of the compute) and
@@ -163,7 +164,10 @@ def _cp_bytes(
     if dims.cp == 1:
         return 0.0
     mc = cfg.model.model_config
-    kv = 2 * micro_batch * mc.seq_length * (mc.num_kv_heads // dims.tp) * mc.dim_per_head * a
+    if mc.uses_mla:  # latent attention gathers each token's latent and rotary key, whole on every tp rank
+        kv = micro_batch * mc.seq_length * (mc.kv_lora_rank + mc.qk_rope_head_dim) * a
+    else:
+        kv = 2 * micro_batch * mc.seq_length * (mc.num_kv_heads // dims.tp) * mc.dim_per_head * a
     calls = 2 + (1 if recompute_share(cfg) else 0)
     return calls * layers * n_micro * kv * (dims.cp - 1) / dims.cp
 

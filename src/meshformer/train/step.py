@@ -133,9 +133,12 @@ def train_step(
         # A device scalar, not a Python float: reading the token count here would make the host wait for the
         # device before the step's first kernel, a stall a GPU pays every step (the loss is read once, at the end).
         scale = (env.grad_average_size * loss_scale / n_tok).to(torch.float32)
-        # Every loss rank holds the same rows of the same length: the step's totals need no collective.
-        ranks = env.mesh_size("loss")
-        totals = StepTotals(float(inputs.numel() * ranks), float(inputs.shape[0] * ranks), float(n_micro * ranks))
+        # Every loss rank holds the same rows of the same length: the step's totals need no collective. A row is
+        # split over the cp ranks, so the step's rows are counted over the batch ranks.
+        ranks, cp = env.mesh_size("loss"), env.dims.cp
+        rows = float(inputs.shape[0] * env.mesh_size("batch"))
+        per_row = (lambda t: env.reduce_sum(t, "cp")) if cp > 1 else None
+        totals = StepTotals(float(inputs.numel() * ranks), rows, float(n_micro * ranks), cp, per_row)
         lap("other")
         routing_prepass(parts, env, inputs, labels, n_micro, documents)  # MoE global-batch balancing only (fwd_bwd)
         unit = env.grad_average_size * loss_scale  # normalised aux losses (models/aux_loss.py)

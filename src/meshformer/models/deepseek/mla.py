@@ -14,6 +14,11 @@ space (the "absorbed" form of the DeepSeek-V2 paper): each head's query meets W_
 q_nope W_k c + q_rope k_rope over the cached c, the softmax-weighted latents go through W_v after, and no key or
 value is ever expanded for the cached tokens. That is multi-query attention with one 'head' of width
 kv_lora_rank + qk_rope_head_dim whose values are its first kv_lora_rank channels.
+
+Two seams a parallel technique may replace on an instance, as Llama's `Attention.attend`: `attend`, the causal
+attention of training and prefill, and `gather_latent`, through which training's per-token entries [latent, rotary
+key] pass before kv_b_proj expands them (the identity here; context parallelism all-gathers them over its ranks,
+576 numbers a token for DeepSeek-V3 instead of the expanded keys and values: parallel/context_parallel.py).
 """
 
 from __future__ import annotations
@@ -47,8 +52,16 @@ class LatentCache:
         return self.k[idx][:, :, :end]
 
 
+def _same(entries: torch.Tensor) -> torch.Tensor:
+    return entries
+
+
 class LatentAttention(nn.Module):
     absorb = True  # decode in the latent space (False: expand the cached latents, the reference the tests compare)
+    # Training's and prefill's causal attention (q, k, v, mask, scale) -> out, and training's entries [b, 1, s,
+    # kv_lora_rank + qk_rope_head_dim] -> those kv_b_proj expands: seams a parallel technique replaces per instance
+    attend = staticmethod(causal_attention)
+    gather_latent = staticmethod(_same)
 
     def __init__(self, mc: ModelConfig):
         super().__init__()
@@ -95,9 +108,12 @@ class LatentAttention(nn.Module):
         latent = self.kv_a_layernorm(latent)[:, None]  # [b, 1, s, rank]: one latent for every head
         q_rope = rotate(q_rope, cos, sin, self.interleaved)
         k_rope = rotate(self.rope_key(k_rope)[:, None], cos, sin, self.interleaved)
-        if cache is None or cache.pos == 0:  # training, a prompt's prefill: expanded, as one matmul per head
-            if cache is not None:
-                cache.update(layer_idx, torch.cat([latent, k_rope], dim=-1))
+        if cache is None:  # training: expanded, as one matmul per head, from the entries `gather_latent` passes
+            entries = self.gather_latent(torch.cat([latent, k_rope], dim=-1))
+            latent, k_rope = entries.split([self.rank, self.rope_dim], dim=-1)
+            out = self._expanded(q_nope, q_rope, latent, k_rope, mask)
+        elif cache.pos == 0:  # a prompt's prefill: expanded, as in training
+            cache.update(layer_idx, torch.cat([latent, k_rope], dim=-1))
             out = self._expanded(q_nope, q_rope, latent, k_rope, mask)
         else:
             entries = cache.update(layer_idx, torch.cat([latent, k_rope], dim=-1))
@@ -119,7 +135,7 @@ class LatentAttention(nn.Module):
         k = torch.cat([k_nope, k_rope.expand(-1, k_nope.shape[1], -1, -1)], dim=-1)
         q = torch.cat([q_nope, q_rope], dim=-1)
         if causal:
-            return causal_attention(q, k, v, mask, scale=self.scale)
+            return self.attend(q, k, v, mask, scale=self.scale)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
 
     def _absorbed(self, q_nope, q_rope, entries, mask) -> torch.Tensor:

@@ -12,7 +12,10 @@ E / (k T) x (tokens choosing e, before any capacity drop) and P_e the mean over 
 normalised router scores (softmax; sigmoid scores divided by their sum). Summed over layers, reported as
 `aux_loss/moe_<type>`:
 - sequence: f and P per sequence (T = its length), averaged over every sequence of the step (DeepSeek-V3's
-  sequence-wise loss). A sequence is whole on a rank, so any layout and accumulation split give the same loss.
+  sequence-wise loss). A sequence is whole on a rank but under context parallelism, where each rank sums its
+  tokens' counts with the other parts of its rows (`StepTotals.sum_over_row`, detached) and contributes its own
+  tokens' share of P (the loss is linear in P: the parts add up to the whole row's), so any layout and
+  accumulation split give the same loss.
 - global_batch: f and P over every token of the step (all micro-batches, data-parallel ranks). f must be known
   before the first backward: train/moe_balance.py `routing_prepass` runs one forward without gradients over the
   step's micro-batches first (the cost: one extra forward per step) and sums its counts over the loss mesh. Exact
@@ -118,8 +121,11 @@ def sequence_loss(block, route, counts, shape, totals) -> torch.Tensor:
     (b, s), e, k = shape, block.num_experts, block.top_k
     idx = route.indices.reshape(b, s * k)
     per_seq = torch.zeros(b, e, device=idx.device).scatter_add_(1, idx, torch.ones_like(idx, dtype=torch.float32))
-    f = per_seq * (e / (k * s))
-    p = _probs(block, route).view(b, s, e).mean(dim=1)
+    row = s * totals.row_parts  # the whole row's tokens
+    if totals.sum_over_row is not None and per_seq.device.type != "meta":  # not a pipeline's shape inference
+        per_seq = totals.sum_over_row(per_seq)
+    f = per_seq * (e / (k * row))
+    p = _probs(block, route).view(b, s, e).sum(dim=1) / row  # this rank's tokens' part of the row's mean
     return (f * p).sum() / totals.sequences
 
 
