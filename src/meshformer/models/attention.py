@@ -80,6 +80,13 @@ def causal_attention(
     if BLOCKED_ON_CPU and q.device.type == "cpu" and torch.compiler.is_compiling() and type(q) is torch.Tensor:
         return torch.utils.checkpoint.checkpoint(blocked_causal_attention, q, k, v, 0, mask, scale, use_reentrant=False)
     gqa = q.shape[1] != k.shape[1]
+    width = v.shape[-1]
+    if q.device.type == "cpu" and width < q.shape[-1]:
+        # The CPU flash kernel wants values as wide as the queries; for narrower ones (latent attention's
+        # v_head_dim) SDPA would run its math kernel, which keeps the [s x s] probabilities for backward
+        v = F.pad(v, [0, q.shape[-1] - width])
     if mask is not None:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa, scale=scale)
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa, scale=scale)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa, scale=scale)
+    else:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa, scale=scale)
+    return out[..., :width] if out.shape[-1] != width else out

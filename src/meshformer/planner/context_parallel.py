@@ -62,8 +62,9 @@ def _latent_bytes(cfg: MeshformerConfig, dims: ParallelDims, micro_batch: int) -
     saves while backward makes it again). Kept: the gathered entries [latent, rotary key] of the whole row
     (kv_b_proj's input) and the checkpointed attention's inputs (the local queries, every rank's expanded keys and
     contiguous values), less what the plain attention kernel keeps at the local length, which the local plan
-    counted. The kernels' own saved tensors are counted on fake tensors, as the planner counts a layer (on a CPU
-    SDPA's math kernel, with probabilities [local x local] in the plain form, [local x seq] in cp's)."""
+    counted. The kernels' own saved tensors are counted on fake tensors, as the planner counts a layer (the plain
+    form through models/attention.py's causal_attention, as the model runs it; cp's on a CPU SDPA's math kernel, its
+    probabilities [local x seq] made again in backward)."""
     mc = cfg.model.model_config
     a = 2 if mc.compute_dtype != "float32" else 4
     b, seq, local, heads = micro_batch, mc.seq_length, mc.seq_length // dims.cp, mc.num_heads // dims.tp
@@ -85,6 +86,7 @@ def _attention_saved_bytes(cfg: MeshformerConfig, b: int, h: int, s: int, keys: 
 
     from meshformer.backends.torch_private import fake_tensor_mode
     from meshformer.dtypes import DTYPE
+    from meshformer.models.attention import causal_attention
 
     mc = cfg.model.model_config
     dtype, nope, qk, v_dim = DTYPE[mc.compute_dtype], mc.qk_nope_head_dim, mc.qk_head_dim, mc.v_head_dim
@@ -108,7 +110,7 @@ def _attention_saved_bytes(cfg: MeshformerConfig, b: int, h: int, s: int, keys: 
             if cp_form:
                 F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.0)
             else:
-                F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=1.0)
+                causal_attention(q, k, v, None, scale=1.0)
         if cp_form:
             for t in inputs:
                 storages.pop(StorageWeakRef(t.untyped_storage()), None)
