@@ -5,7 +5,8 @@ fixed tokens under ep2 / ep4, alone (ep = the FSDP ranks), with experts FSDP-sha
 HSDP, tp2 (with and without sequence parallelism), pp2, recompute and accumulation, up to 8 processes; with the
 balancing losses (global-batch, sequence-wise, z-loss) and the routing-bias update on as well, with LoRA on
 attention and a dense layer's MLP, under bf16 autocast (bf16 bounds), and on a DeepSeek-V3-shaped model (latent
-attention, shared expert, sigmoid routing with the score-correction bias, group-limited top-k, first layer dense).
+attention, shared expert, sigmoid routing with the score-correction bias, group-limited top-k, first layer dense;
+also under tp2 with and without sequence parallelism, pp2 and dp2 without ep).
 Loss, grad norm, every auxiliary loss and every router bias must equal the in-process single-process run within
 1e-5 (fp32). The routed-expert gradients themselves are compared tensor by tensor (pytorch/pytorch#160285 reports
 them doubled under EP = 2), a checkpoint written at ep2 resumes at ep1 (two processes, and one) and ep4 with the
@@ -35,6 +36,13 @@ WORLD2 = [
     "fsdp2_ep2_sel:moe",
     "fsdp2_ep2:moe_bal",
     "fsdp2_ep2_rc_accum:moe_bal",
+    # latent attention's heads under tp2 (with sequence parallelism, accumulation, recompute), its layers over pp2
+    "tp2:deepseek_v3",
+    "tp2_sp_accum:deepseek_v3",
+    "tp2_sp_rc:deepseek_v3",
+    "fsdp2_ep2:deepseek_v3",
+    "pp2_1f1b:deepseek_v3",
+    "dp2_rc_accum:deepseek_v3",
 ]
 WORLD4 = [
     "fsdp4_ep4:moe",

@@ -60,6 +60,7 @@ TP_SHARD_DIM = {
     "vocab_embedding": {"weight": 0},
     "vocab_head": {"weight": 0},
     "rowwise_to_replicated": {"weight": 1, "bias": None},
+    "rowwise_full": {"weight": 1, "bias": None},  # shared experts' down projection
 }
 
 
