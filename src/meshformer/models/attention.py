@@ -79,14 +79,16 @@ def causal_attention(
     faster than flash) and on GPUs (whose flash kernels are fast): torch's SDPA."""
     if BLOCKED_ON_CPU and q.device.type == "cpu" and torch.compiler.is_compiling() and type(q) is torch.Tensor:
         return torch.utils.checkpoint.checkpoint(blocked_causal_attention, q, k, v, 0, mask, scale, use_reentrant=False)
-    gqa = q.shape[1] != k.shape[1]
+    return sdpa(q, k, v, mask, scale, is_causal=mask is None)
+
+
+def sdpa(q, k, v, mask=None, scale=None, is_causal: bool = False) -> torch.Tensor:
+    """torch's SDPA (grouped heads when k has fewer), values narrower than the queries padded on a CPU: its flash
+    kernel wants them as wide, and for narrower ones (latent attention's v_head_dim) SDPA would run its math kernel,
+    which keeps the [s x keys] probabilities for backward."""
     width = v.shape[-1]
     if q.device.type == "cpu" and width < q.shape[-1]:
-        # The CPU flash kernel wants values as wide as the queries; for narrower ones (latent attention's
-        # v_head_dim) SDPA would run its math kernel, which keeps the [s x s] probabilities for backward
         v = F.pad(v, [0, q.shape[-1] - width])
-    if mask is not None:
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa, scale=scale)
-    else:
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa, scale=scale)
+    gqa = q.shape[1] != k.shape[1]
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, enable_gqa=gqa, scale=scale)
     return out[..., :width] if out.shape[-1] != width else out

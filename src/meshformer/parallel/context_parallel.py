@@ -30,11 +30,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import nn
 
 from meshformer.errors import UserError
+from meshformer.models.attention import sdpa
 from meshformer.parallel.env import ParallelEnv
 
 
@@ -100,7 +100,7 @@ def masked_attention(q, k, v, queries, keys, q_docs, k_docs, scale):
     made again in backward, so a layer keeps q, the gathered k and v and the small position vectors."""
     mask = allowed(queries, keys, q_docs, k_docs)
     additive = torch.where(mask, torch.zeros((), dtype=q.dtype, device=q.device), torch.finfo(q.dtype).min)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=additive, enable_gqa=q.shape[1] != k.shape[1], scale=scale)
+    return sdpa(q, k, v, additive, scale)
 
 
 class ContextParallel:

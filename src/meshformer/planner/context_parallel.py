@@ -10,8 +10,7 @@ at that length (`local_config`), plus what the all-gather form adds (`extra_byte
   micro_batch x seq x (kv_lora_rank + qk_rope_head_dim), and its checkpointed attention's inputs, the local queries
   (heads / tp x qk_head_dim) and the whole row's keys (heads / tp x (qk_nope_head_dim + qk_rope_head_dim)) and
   contiguous values (heads / tp x v_head_dim); the local plan counted the entries at the local length and what the
-  plain attention kernel saves there (on a CPU SDPA's math kernel, with its [local x local] probabilities, which the
-  checkpointed form does not keep), which is taken off, counted on fake tensors as the local plan counts it;
+  plain attention kernel saves there, which is taken off, counted on fake tensors as the local plan counts it;
 - while one layer's attention runs (forward, and again in backward: it is checkpointed), its float mask
   [rows, 1, seq / cp, seq] in the compute dtype (rows: micro_batch with packed documents, else 1): transient.
 Measured against the trainer's step (bench/context_parallel.py, docs/benchmarks.md): within 2% at cp 2 and 4; the
@@ -40,8 +39,7 @@ def extra_bytes(
     cfg: MeshformerConfig, dims: ParallelDims, micro_batch: int, layers: int, recomputed: int
 ) -> tuple[int, int]:
     """(bytes the all-gather attention adds to the saved activations of one micro-batch, to the transient peak of one
-    layer) on a rank holding `layers` decoder layers, whose first `recomputed` are fully recomputed. Latent
-    attention's may be negative: the local plan's [local x local] probabilities, which cp does not keep."""
+    layer) on a rank holding `layers` decoder layers, whose first `recomputed` are fully recomputed."""
     if dims.cp == 1:
         return 0, 0
     mc = cfg.model.model_config
@@ -62,9 +60,8 @@ def _latent_bytes(cfg: MeshformerConfig, dims: ParallelDims, micro_batch: int) -
     saves while backward makes it again). Kept: the gathered entries [latent, rotary key] of the whole row
     (kv_b_proj's input) and the checkpointed attention's inputs (the local queries, every rank's expanded keys and
     contiguous values), less what the plain attention kernel keeps at the local length, which the local plan
-    counted. The kernels' own saved tensors are counted on fake tensors, as the planner counts a layer (the plain
-    form through models/attention.py's causal_attention, as the model runs it; cp's on a CPU SDPA's math kernel, its
-    probabilities [local x seq] made again in backward)."""
+    counted. The kernels' own saved tensors are counted on fake tensors through models/attention.py, as the model
+    runs them (on a CPU the values padded to the queries' width: the flash kernel, no probabilities kept)."""
     mc = cfg.model.model_config
     a = 2 if mc.compute_dtype != "float32" else 4
     b, seq, local, heads = micro_batch, mc.seq_length, mc.seq_length // dims.cp, mc.num_heads // dims.tp
@@ -77,16 +74,15 @@ def _latent_bytes(cfg: MeshformerConfig, dims: ParallelDims, micro_batch: int) -
 def _attention_saved_bytes(cfg: MeshformerConfig, b: int, h: int, s: int, keys: int, cp_form: bool) -> int:
     """Bytes the SDPA of a latent-attention layer saves for backward, counted on fake tensors by storage as
     train/memory.py counts a step (and planner/counted_activations.py the local plan). The plain form
-    (models/deepseek/mla.py `_expanded`): fresh q and k, values a view of kv_b_proj's output, causal; its inputs
-    count. cp's (parallel/context_parallel.py `masked_attention`): contiguous q, k, v and a float mask; its inputs
+    (models/deepseek/mla.py `_expanded`): fresh q and k, values a view of kv_b_proj's output, causal; what it saves
+    counts. cp's (parallel/context_parallel.py `masked_attention`): contiguous q, k, v and a float mask; its inputs
     (kept by the checkpoint, counted apart) do not."""
     import torch
-    import torch.nn.functional as F
     from torch.multiprocessing.reductions import StorageWeakRef
 
     from meshformer.backends.torch_private import fake_tensor_mode
     from meshformer.dtypes import DTYPE
-    from meshformer.models.attention import causal_attention
+    from meshformer.models.attention import causal_attention, sdpa
 
     mc = cfg.model.model_config
     dtype, nope, qk, v_dim = DTYPE[mc.compute_dtype], mc.qk_nope_head_dim, mc.qk_head_dim, mc.v_head_dim
@@ -108,7 +104,7 @@ def _attention_saved_bytes(cfg: MeshformerConfig, b: int, h: int, s: int, keys: 
             inputs += [v, mask]
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             if cp_form:
-                F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.0)
+                sdpa(q, k, v, mask, scale=1.0)
             else:
                 causal_attention(q, k, v, None, scale=1.0)
         if cp_form:

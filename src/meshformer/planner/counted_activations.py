@@ -195,11 +195,9 @@ class _CountedMoE(nn.Module):
 
     def __init__(self, block: nn.Module, mc, count: "_Count", selective: bool):
         super().__init__()
-        self.gate, self.shared_experts, self.shared_expert_gate = (
-            block.gate,
-            block.shared_experts,
-            block.shared_expert_gate,
-        )
+        self.gate = block.gate
+        self.shared_experts = block.shared_experts
+        self.shared_expert_gate = block.shared_expert_gate
         self.mc, self.count, self.selective = mc, count, selective
         self.experts_train = block.experts.gate_proj.requires_grad
 
