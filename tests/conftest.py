@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+import meshformer.models  # noqa: F401  (the families register their config classes before any config loads)
+
 ROOT = Path(__file__).resolve().parents[1]
 CORPUS = sorted((ROOT / "data" / "shakespeare").glob("*.txt"))
 DIST = ROOT / "tests" / "dist"  # what torchrun launches: the parity harness and its workers

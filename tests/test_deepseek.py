@@ -100,7 +100,7 @@ def test_import_export_generate_match_transformers(case, tmp_path, tokenizer_dir
         assert gate.e_score_correction_bias.abs().min() > 0
     x, want, _ = imports_with_its_logits(reference, src, tmp_path / "ckpt", capsys)
     ours, cfg, _ = load_for_inference(tmp_path / "ckpt")
-    assert cfg.model.model_config.uses_mla and cfg.model.model_config.is_moe
+    assert cfg.model.model_config.kv_lora_rank is not None and cfg.model.model_config.is_moe
     if case == "v3":  # the imported bias is what makes the logits equal
         unbiased, _, _ = load_for_inference(tmp_path / "ckpt")
         with torch.no_grad():

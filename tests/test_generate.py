@@ -8,16 +8,17 @@ import math
 import pytest
 import torch
 
-from meshformer.config.schema import MeshformerConfig, ModelConfig
+from meshformer.config.schema import MeshformerConfig
 from meshformer.models import create_model
 from meshformer.models.generate import generate, generate_batch, next_token, top_k_filter, top_p_filter
+from meshformer.models.registry import model_config
 
 VOCAB = 100
 
 
 @pytest.fixture(scope="module")
 def model():
-    mc = ModelConfig(
+    mc = model_config(
         hidden_size=64, num_layers=2, num_heads=4, n_kv_heads=2, vocab_size=VOCAB, seq_length=16, intermediate_size=96
     )
     m = create_model(mc, 0)
@@ -100,7 +101,7 @@ def test_generate_restores_training_mode(model):
 
 def test_bad_arguments_raise():
     m = create_model(
-        ModelConfig(hidden_size=32, num_layers=1, num_heads=2, vocab_size=10, seq_length=8, intermediate_size=32), 0
+        model_config(hidden_size=32, num_layers=1, num_heads=2, vocab_size=10, seq_length=8, intermediate_size=32), 0
     )
     for kw in ({"temperature": -1.0}, {"top_p": 1.5}, {"top_k": -2}):
         with pytest.raises(ValueError, match=next(iter(kw))):

@@ -15,6 +15,7 @@ import torch
 from meshformer.config.model_schema import ModelConfig, RopeScalingConfig
 from meshformer.models import build_model, create_model, materialize, num_params
 from meshformer.models.llama import RMSNorm, apply_rotary, rope_cos_sin, rope_inv_freq
+from meshformer.models.registry import model_config
 
 VOCAB = 100
 
@@ -24,7 +25,7 @@ def tiny(**kw) -> ModelConfig:
         hidden_size=64, num_layers=2, num_heads=4, n_kv_heads=2, vocab_size=VOCAB, seq_length=16, intermediate_size=96
     )
     base.update(kw)
-    return ModelConfig(**base)
+    return model_config(**base)
 
 
 @torch.no_grad()

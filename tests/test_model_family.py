@@ -4,6 +4,7 @@ agree with the built modules for it and for Llama."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -14,22 +15,31 @@ from torch import nn
 
 from conftest import EMPTY, tiny_overrides
 from meshformer.config import load_config
+from meshformer.config.model_schema import type_field
 from meshformer.config.schema import ModelConfig
 from meshformer.dtypes import DTYPE
 from meshformer.errors import UserError
 from meshformer.models import build_model, create_model, num_params
-from meshformer.models.llama import Attention, KVCache, RopeTables, document_layout, param_count
+from meshformer.models.llama import Attention, KVCache, LlamaConfig, RopeTables, document_layout, param_count
 from meshformer.models.registry import (
     HF_HEAD,
     ModelFamily,
     families,
     family_for_hf,
     family_of,
+    model_config,
     register_family,
     unregister_family,
 )
 
 TOY_TYPE, TOY_HF_TYPE, TOY_HF_CLASS = "ToyGeluConfig", "toygelu", "ToyGeluForCausalLM"
+
+
+@dataclasses.dataclass
+class ToyGeluConfig(LlamaConfig):
+    """The toy's config class: Llama's fields (it reuses Llama's attention, which reads them), its own type."""
+
+    type: str = type_field(TOY_TYPE)
 
 
 class GeluMLP(nn.Module):
@@ -164,7 +174,7 @@ def toy_config_to_hf(mc: ModelConfig, dtype: str) -> dict:
 
 TOY = ModelFamily(
     name="toy_gelu",
-    config_types=(TOY_TYPE,),
+    config_types={TOY_TYPE: ToyGeluConfig},
     hf_model_types={TOY_HF_TYPE: TOY_HF_CLASS},
     build=ToyDecoder,
     tp_plan=toy_tp_plan,
@@ -186,12 +196,12 @@ def toy_family():
 
 def toy_config(**kw) -> ModelConfig:
     shape = dict(hidden_size=32, num_layers=2, num_heads=4, n_kv_heads=2, intermediate_size=64, vocab_size=96)
-    return ModelConfig(type=TOY_TYPE, seq_length=16, **{**shape, **kw})
+    return ToyGeluConfig(seq_length=16, **{**shape, **kw})
 
 
 def test_the_registry_finds_each_family_by_config_type_and_by_hugging_face_architecture():
     assert family_of(toy_config()) is TOY
-    assert family_of(ModelConfig(type="Qwen3Config")).name == "llama"
+    assert family_of(model_config(type="Qwen3Config")).name == "llama"
     assert family_for_hf({"architectures": [TOY_HF_CLASS]}, "config.json") == (TOY, TOY_HF_TYPE)
     assert family_for_hf({"model_type": TOY_HF_TYPE}, "config.json") == (TOY, TOY_HF_TYPE)
     assert family_for_hf({"architectures": ["MistralForCausalLM"]}, "c.json")[1] == "mistral"  # imported as Llama
@@ -212,9 +222,9 @@ def test_model_config_type_comes_from_the_registry(tmp_path):
 @pytest.mark.parametrize("tied", [False, True])
 def test_param_count_equals_the_built_model(tied):
     shape = dict(hidden_size=48, num_layers=3, num_heads=6, n_kv_heads=2, vocab_size=200, tie_word_embeddings=tied)
-    for mc in (toy_config(**shape), ModelConfig(**shape), ModelConfig(type="Qwen2Config", **shape)):
+    for mc in (toy_config(**shape), model_config(**shape), model_config(type="Qwen2Config", **shape)):
         assert family_of(mc).param_count(mc) == num_params(build_model(mc)), mc.type
-    assert param_count(ModelConfig(**shape)) == num_params(build_model(ModelConfig(**shape)))
+    assert param_count(model_config(**shape)) == num_params(build_model(model_config(**shape)))
 
 
 def test_the_one_flops_rule_counts_a_tied_head_and_both_callers_use_it():
@@ -223,7 +233,7 @@ def test_the_one_flops_rule_counts_a_tied_head_and_both_callers_use_it():
     from meshformer.train.metrics import flops_per_token as measured
 
     shape = dict(hidden_size=64, num_layers=2, num_heads=4, vocab_size=1000, seq_length=32)
-    tied, untied = ModelConfig(**shape, tie_word_embeddings=True), ModelConfig(**shape, tie_word_embeddings=False)
+    tied, untied = model_config(**shape, tie_word_embeddings=True), model_config(**shape, tie_word_embeddings=False)
     fpt = family_of(tied).flops_per_token(tied)
     assert fpt == family_of(untied).flops_per_token(untied)  # the same matmuls, whoever owns the head's weight
     matmul = param_count(untied) - 1000 * 64  # every weight but the embedding lookup, the head included
@@ -272,7 +282,7 @@ def test_the_toy_family_converts_to_hugging_face_names_and_back(tmp_path, tied):
     hf_config = hf_config_from_model(mc, "float32")
     assert hf_config["architectures"] == [TOY_HF_CLASS]
     fields = model_config_from_hf(hf_config, "config.json")
-    assert ModelConfig(**fields) == mc
+    assert model_config(**fields) == mc
 
     tensors = to_hf_names(model.state_dict(), TOY)
     assert "transformer.h.1.mlp.fc_in.bias" in tensors and ("lm_head.weight" in tensors) != tied
@@ -296,4 +306,4 @@ def test_the_toy_family_plans_without_crashing(capsys):
     (stage,) = plan["stages"]
     mc = load_config(EMPTY, toy).model.model_config
     assert stage["params_bytes"] == toy_param_count(mc) * 4 and stage["activations_bytes"] > 0
-    assert plan["flops_per_token"] == TOY.flops_per_token(ModelConfig(**{**mc.__dict__, "seq_length": 256}))
+    assert plan["flops_per_token"] == TOY.flops_per_token(model_config(**{**mc.__dict__, "seq_length": 256}))

@@ -11,8 +11,8 @@ import meshformer.models  # noqa: F401  (the families register the MoE model typ
 from conftest import refused
 from meshformer.cli.main import main
 from meshformer.config import load_config
-from meshformer.config.validate_moe import aux_losses
 from meshformer.errors import UserError
+from meshformer.models.moe.validate import aux_losses
 
 MODEL = """\
 model:

@@ -14,8 +14,9 @@ from torch import nn
 
 from conftest import tiny_overrides
 from meshformer.config import load_config
+from meshformer.config.model_schema import type_field
 from meshformer.config.schema import ModelConfig
-from meshformer.models.llama import Attention, RMSNorm, RopeTables
+from meshformer.models.llama import Attention, LlamaConfig, RMSNorm, RopeTables
 from meshformer.models.registry import ModelFamily, family_of, register_family, unregister_family
 from meshformer.parallel.dims import ParallelDims
 from meshformer.planner import memory
@@ -125,6 +126,13 @@ def test_the_planner_uses_the_counter_where_a_family_has_no_activation_model():
 TOY_TYPE = "ToyPlannedConfig"
 
 
+@dataclasses.dataclass
+class ToyPlannedConfig(LlamaConfig):
+    """Llama's fields (the toy reuses Llama's attention), its own type."""
+
+    type: str = type_field(TOY_TYPE)
+
+
 class GeluMLP(nn.Module):
     """Non-gated, with biases: fc_out(gelu(fc_in(x)))."""
 
@@ -193,7 +201,7 @@ def _no_hf(*_):
 
 TOY = ModelFamily(
     name="toy_planned",
-    config_types=(TOY_TYPE,),
+    config_types={TOY_TYPE: ToyPlannedConfig},
     hf_model_types={},
     build=ToyModel,
     tp_plan=toy_tp_plan,

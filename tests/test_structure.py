@@ -184,12 +184,12 @@ def test_tests_find_shared_relative_to_the_repository():
 
 
 def _tiny(**kw):
-    from meshformer.config.schema import ModelConfig
+    from meshformer.models.registry import model_config
 
     base = dict(
         hidden_size=32, num_layers=2, num_heads=4, n_kv_heads=2, vocab_size=64, seq_length=8, intermediate_size=48
     )
-    return ModelConfig(**{**base, **kw})
+    return model_config(**{**base, **kw})
 
 
 def _covered(model: nn.Module, resolved: dict[str, str]) -> set[str]:

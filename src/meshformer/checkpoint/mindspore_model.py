@@ -21,7 +21,7 @@ from meshformer.checkpoint.mindspore_ckpt import read_mindspore_checkpoint, refu
 from meshformer.config.schema import MeshformerConfig
 from meshformer.errors import UserError
 
-SHAPE_FIELDS = "hidden_size, num_layers, num_heads, n_kv_heads, intermediate_size, vocab_size, qkv_has_bias"
+SHAPE_FIELDS = ("hidden_size", "num_layers", "num_heads", "n_kv_heads", "intermediate_size", "vocab_size")
 
 
 @dataclass
@@ -113,10 +113,11 @@ def _tokenizer(cfg: MeshformerConfig, config: Path) -> tuple[str, dict]:
 
 def _check_shapes(tensors: dict[str, torch.Tensor], mc, names, src: Path, config: Path) -> None:
     """One line naming MindSpore's tensor when the checkpoint is not exactly the model the YAML describes."""
-    from meshformer.models import build_model
+    from meshformer.models import build_model, family_of
 
     expected = {k: tuple(v.shape) for k, v in build_model(mc).state_dict().items()}  # meta tensors: no memory
-    fix = f"give the YAML the checkpoint was trained with ({config}'s model_config: {SHAPE_FIELDS})"
+    fields = ", ".join((*SHAPE_FIELDS, *family_of(mc).shape_fields))  # the family's own shape fields too
+    fix = f"give the YAML the checkpoint was trained with ({config}'s model_config: {fields})"
     missing = [k for k in expected if k not in tensors]
     if missing:
         raise UserError(

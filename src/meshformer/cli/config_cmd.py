@@ -5,11 +5,18 @@ from __future__ import annotations
 import dataclasses
 import typing
 
-from meshformer.config.schema import LIST_ITEM_SCHEMAS, MeshformerConfig, field_default, is_dataclass_type
+from meshformer.config.schema import (
+    LIST_ITEM_SCHEMAS,
+    MeshformerConfig,
+    ModelConfig,
+    field_default,
+    is_dataclass_type,
+)
 
 
 def iter_fields(cls=MeshformerConfig, prefix: str = ""):
-    """(dotted name, type text, default, doc, choices) for every leaf field, depth first."""
+    """(dotted name, type text, default, doc, choices) for every leaf field, depth first; under the model config,
+    the fields every family has, then each type's own (its family's config class)."""
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         name = f"{prefix}{f.name}"
@@ -17,11 +24,45 @@ def iter_fields(cls=MeshformerConfig, prefix: str = ""):
         if is_dataclass_type(tp):
             yield name, "section", None, f.metadata["doc"], None
             yield from iter_fields(tp, name + ".")
+            if tp is ModelConfig:
+                yield from _family_fields(name)
             continue
         yield name, _type_text(tp), field_default(f), f.metadata["doc"], f.metadata.get("choices")
         item = LIST_ITEM_SCHEMAS.get(tuple(name.split(".")))
         if item is not None:
             yield from iter_fields(item, name + "[].")
+
+
+def _family_fields(name: str):
+    """Each family's own fields: those of its config classes that the base has not, or has otherwise (another
+    default, doc or choices), under the family's types; a default that differs between its types names each."""
+    from meshformer.models.registry import families
+
+    common = {row[0]: row for row in iter_fields(ModelConfig, name + ".")}
+    for family in families():
+        rows: dict[str, list] = {}
+        for type_name, cls in family.config_types.items():
+            for row in iter_fields(cls, name + "."):
+                if row[0] != f"{name}.type" and row[1] != "section" and common.get(row[0]) != row:
+                    rows.setdefault(row[0], []).append((type_name, row))
+        types = ", ".join(family.config_types)
+        yield f"{name} ({types})", "section", None, f"The {family.name} family's own fields (its config classes).", None
+        for per_type in rows.values():
+            field, tp, default, doc, choices = per_type[0][1]
+            defaults = {t: row[2] for t, row in per_type}
+            if len({repr(d) for d in defaults.values()}) > 1:
+                default = _PerType(defaults)
+            yield field, tp, default, doc, choices
+
+
+class _PerType:
+    """A default that depends on the type: printed as `LlamaConfig: False, Qwen2Config: True`."""
+
+    def __init__(self, defaults: dict) -> None:
+        self.defaults = defaults
+
+    def __repr__(self) -> str:
+        return ", ".join(f"{t}: {d!r}" for t, d in self.defaults.items())
 
 
 def _type_text(tp) -> str:

@@ -126,9 +126,11 @@ def check_cache_fits(max_new_tokens: int, rows: int, model) -> None:
     fit in the device's free memory, before allocating it (a typo such as 10**9 would otherwise crash or swap)."""
     import torch
 
+    from meshformer.models.registry import family_of
+
     mc, p = model.config, next(model.parameters())
-    width = mc.kv_lora_rank + mc.qk_rope_head_dim if mc.uses_mla else 2 * mc.num_kv_heads * mc.dim_per_head
-    per_token = mc.num_layers * width * p.element_size() * rows  # latent attention caches its latent (mla.py)
+    width = family_of(mc).kv_cache_width(mc)  # the family's cache (keys and values; latent attention its latent)
+    per_token = mc.num_layers * width * p.element_size() * rows
     if p.device.type == "cuda":
         free = torch.cuda.mem_get_info(p.device)[0]
     else:

@@ -30,37 +30,52 @@ def setting(
     return field(default=default, metadata=meta)
 
 
-class RegisteredNames:
-    """Choices that a registry outside config/ fills as it registers names (models/registry.py adds each model
-    family's config types): the models import this schema, so the schema may not import them. While nothing is
-    registered (meshformer.models not imported yet) the loader has no list to check against and the registry's own
-    lookup (`family_of`) refuses an unknown name instead, in the same words; the CLI imports the models first."""
+class ModelConfigClasses:
+    """`model_config.type` -> the config class of the family that builds it. The families fill it as they register
+    (models/registry.py `register_family`, when `meshformer.models` is imported): the models import this schema, so
+    the schema may not import them. Iterating gives the names (the `type` field's choices). Asking for a class while
+    nothing is registered is a programming error, never a silent pass: every entry point (the CLI, the trainer, the
+    planner, the tests' conftest) imports the models before it loads a config (docs/design.md, Config classes)."""
 
     def __init__(self) -> None:
-        self._names: list[str] = []
+        self._classes: dict[str, type] = {}
 
-    def add(self, names) -> None:
-        self._names.extend(n for n in names if n not in self._names)
+    def add(self, name: str, cls: type) -> None:
+        self._classes[name] = cls
 
     def discard(self, names) -> None:
-        self._names = [n for n in self._names if n not in names]
+        for n in names:
+            self._classes.pop(n, None)
+
+    def class_of(self, name: str) -> type | None:
+        """The config class of type `name`, or None for a name no family builds."""
+        self.require()
+        return self._classes.get(name)
+
+    def items(self) -> list[tuple[str, type]]:
+        self.require()
+        return list(self._classes.items())
+
+    def require(self) -> None:
+        if not self._classes:
+            raise RuntimeError(
+                "no model family is registered: import meshformer.models before loading or checking a model config"
+            )
 
     def __iter__(self):
-        return iter(list(self._names))
+        return iter(list(self._classes))
 
     def __contains__(self, value) -> bool:
-        return value in self._names
+        return value in self._classes
 
     def __len__(self) -> int:
-        return len(self._names)
+        return len(self._classes)
 
     def __repr__(self) -> str:
-        return repr(tuple(self._names))
+        return repr(tuple(self._classes))
 
 
-MODEL_TYPES = RegisteredNames()  # model_config.type's choices (models/registry.py register_family)
-MOE_MODEL_TYPES = RegisteredNames()  # the types whose family builds routed experts (ModelFamily.moe)
-LATENT_ATTENTION_TYPES = RegisteredNames()  # the types built with latent attention (ModelFamily.latent_attention)
+MODEL_CONFIGS = ModelConfigClasses()  # model_config.type's choices and classes (models/registry.py register_family)
 
 
 class RegisteredDatasetFormats:

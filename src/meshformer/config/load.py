@@ -18,8 +18,15 @@ from typing import Any
 
 import yaml
 
+from meshformer.config.fields import MODEL_CONFIGS
 from meshformer.config.mindspore_keys import IGNORED_KEYS, MODEL_CHANGING_KEYS
-from meshformer.config.schema import LIST_ITEM_SCHEMAS, MeshformerConfig, field_default, is_dataclass_type
+from meshformer.config.schema import (
+    LIST_ITEM_SCHEMAS,
+    MeshformerConfig,
+    ModelConfig,
+    field_default,
+    is_dataclass_type,
+)
 from meshformer.errors import UserError
 
 # Misspellings seen in the wild that we accept silently (the seed article itself writes CheckpointMointor).
@@ -261,7 +268,6 @@ def load_config(
         apply_override(data, key, value)
     _place_moe_config(data)
     cfg = from_dict(MeshformerConfig, data, (), notices if notices is not None else [])
-    _apply_family_defaults(cfg, data)
     # Which model fields the file or the command line set (run_mode: finetune fills the others from the base model).
     given = ((data.get("model") or {}).get("model_config") or {}) if isinstance(data.get("model"), dict) else {}
     inner = given.get("moe_config") if isinstance(given, dict) else None
@@ -292,21 +298,55 @@ def _place_moe_config(data: dict) -> None:
     mc["moe_config"] = top
 
 
-# What `model_config.type` implies for the fields a file leaves out (a field the file sets always wins).
-FAMILY_DEFAULTS = {
-    "Qwen2Config": {"qkv_has_bias": True},
-    "Qwen3Config": {"use_qk_norm": True},
-    "Qwen2MoeConfig": {"qkv_has_bias": True},
-    "Qwen3MoeConfig": {"use_qk_norm": True},
-}
+MODEL_PATH = ("model", "model_config")
 
 
-def _apply_family_defaults(cfg: MeshformerConfig, data: dict) -> None:
-    mc = cfg.model.model_config
-    given = ((data.get("model") or {}).get("model_config") or {}) if isinstance(data.get("model"), dict) else {}
-    for name, value in FAMILY_DEFAULTS.get(mc.type, {}).items():
-        if name not in given:
-            setattr(mc, name, value)
+def model_config_class(data: Any, path: tuple = MODEL_PATH) -> type:
+    """The config class of the family that builds `data`'s `type` (the base's default type when it names none), from
+    the classes the families registered (config/fields.py MODEL_CONFIGS; nothing registered is an error, not a
+    pass). A dense type given a `moe_config` that asks for no experts (MindSpore files may carry one) drops it; one
+    that asks for experts is refused naming the types that build them."""
+    meta = {f.name: f for f in dataclasses.fields(ModelConfig)}["type"].metadata
+    name = data.get("type", ModelConfig.type) if isinstance(data, dict) else ModelConfig.type
+    MODEL_CONFIGS.require()
+    _check_range(_dot(path, "type"), name, meta)
+    cls = MODEL_CONFIGS.class_of(name)
+    has_moe = "moe_config" in {f.name for f in dataclasses.fields(cls)}
+    if isinstance(data, dict) and "moe_config" in data and not has_moe:
+        owners = [c for _, c in MODEL_CONFIGS.items() if "moe_config" in {f.name for f in dataclasses.fields(c)}]
+        moe_types = [t for t, c in MODEL_CONFIGS.items() if c in owners]
+        experts = 1
+        if owners and data["moe_config"] is not None:  # checked in the MoE schema's words first
+            schema = typing.get_type_hints(owners[0])["moe_config"]
+            experts = from_dict(schema, data["moe_config"], (*path, "moe_config"), []).expert_num
+        if experts != 1:
+            raise UserError(
+                f"{_dot(path, 'moe_config')}.expert_num={experts} but {_dot(path, 'type')}={name} builds a "
+                f"dense model: choose an MoE type ({', '.join(moe_types)}) or set expert_num: 1"
+            )
+        data.pop("moe_config")  # a dense model's MindSpore file may say so: it changes nothing
+    return cls
+
+
+def _elsewhere(path: tuple, key: str, value: Any = None, check_value: bool = False) -> list[str]:
+    """The model types whose config class has field `key` at `path` (under model.model_config), and, with
+    `check_value`, allows `value` there: what a refusal names when a field belongs to another family."""
+    if path[:2] != MODEL_PATH:
+        return []
+    found = []
+    for name, cls in MODEL_CONFIGS.items():
+        f = None
+        for part in (*path[2:], key):
+            fields = {f.name: f for f in dataclasses.fields(cls)} if is_dataclass_type(cls) else {}
+            alias_of = {a: f.name for f in fields.values() for a in f.metadata.get("aliases", ())}
+            f = fields.get(alias_of.get(part, part))
+            if f is None:
+                break
+            cls = typing.get_type_hints(cls)[f.name]
+        choices = f.metadata.get("choices") if f is not None else None
+        if f is not None and (not check_value or (choices and value in choices)):
+            found.append(name)
+    return found
 
 
 def from_dict(cls: type, data: Any, path: tuple, notices: list[str]) -> Any:
@@ -315,6 +355,9 @@ def from_dict(cls: type, data: Any, path: tuple, notices: list[str]) -> Any:
         data = {}
     if not isinstance(data, dict):
         raise UserError(f"{where} must be a section (a mapping of fields), got {_show(data)}")
+    if cls is ModelConfig:  # the base: the family of `type` has the class with its own fields
+        data = dict(data)
+        cls = model_config_class(data, path)
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     alias_of = {a: f.name for f in fields.values() for a in f.metadata.get("aliases", ())}
@@ -330,6 +373,13 @@ def from_dict(cls: type, data: Any, path: tuple, notices: list[str]) -> Any:
                     raise UserError(f"{_dot(path, key)}={_show(value)}: {why}")
                 notices.append(f"{_dot(path, key)} is a MindSpore-only setting; meshformer ignores it")
                 continue
+            owners = _elsewhere(path, key)
+            if owners:
+                mine = f", not {data['type'] if 'type' in data else cls.type}" if path == MODEL_PATH else ""
+                raise UserError(
+                    f"{_dot(path, key)}={_show(value)}: a field of the types {', '.join(owners)}{mine}: choose one "
+                    f"of them or remove {key}"
+                )
             guess = difflib.get_close_matches(key, list(fields) + list(alias_of), n=1, cutoff=0.6)
             hint = f"did you mean {_dot(path, guess[0])!r}?" if guess else f"valid fields: {', '.join(sorted(fields))}"
             raise UserError(f"unknown config key {_dot(path, key)!r}: {hint}")
@@ -396,6 +446,13 @@ def _coerce(options: list, value: Any) -> Any:
 def _check_range(dotted: str, v: Any, meta: dict) -> None:
     choices = meta.get("choices")
     if choices and v not in choices:
+        *section, name = dotted.split(".")
+        owners = _elsewhere(tuple(section), name, v, check_value=True)
+        if owners:
+            raise UserError(
+                f"{dotted}={v} is built for the types {', '.join(owners)} only: choose one of them, or one of "
+                f"{', '.join(map(str, choices))}"
+            )
         guess = difflib.get_close_matches(str(v), [str(c) for c in choices], n=1)
         hint = f"did you mean {guess[0]!r}? " if guess else ""
         raise UserError(f"{dotted}={v!r} is not allowed: {hint}choose one of {', '.join(map(str, choices))}")

@@ -1,36 +1,31 @@
-"""The `model` section: the architecture and numerics of the network (`model.model_config`, `model.arch`)."""
+"""The `model` section: the architecture and numerics of the network (`model.model_config`, `model.arch`).
+
+`ModelConfig` is the base every family's config class extends: the fields every decoder has (sizes, vocabulary,
+dtypes, initialisation, rotary base, positions, tying, fine-tuning, the pipeline offset). A family's own fields
+(latent attention, q/k/v biases, experts, ...) live in its folder (`models/<family>/config.py`), and
+`model_config.type` picks the class through `MODEL_CONFIGS`, which the families fill as they register."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from meshformer.config.fields import DTYPES, MODEL_TYPES, setting
-from meshformer.config.moe_schema import MoeConfig
+from meshformer.config.fields import DTYPES, MODEL_CONFIGS, setting
+
+
+def type_field(name: str):
+    """The `type` field of a family's concrete config class: defaults to that class's own type name."""
+    return setting(name, "Architecture: picks the family and its config class.", choices=MODEL_CONFIGS)
 
 
 @dataclass
 class RopeScalingConfig:
     type: str = setting(
-        "none",
-        "Rotary scaling: none, llama3 (Llama 3.1 frequency-dependent scaling) or yarn (DeepSeek-V2/V3).",
-        choices=("none", "llama3", "yarn"),
+        "none", "Rotary scaling: none, or llama3 (Llama 3.1 frequency-dependent scaling).", choices=("none", "llama3")
     )
-    factor: float = setting(8.0, "llama3 / yarn scaling: overall context extension factor.", gt=0)
+    factor: float = setting(8.0, "Scaling: overall context extension factor.", gt=0)
     low_freq_factor: float = setting(1.0, "llama3 scaling: low-frequency wavelength factor.", gt=0)
     high_freq_factor: float = setting(4.0, "llama3 scaling: high-frequency wavelength factor.", gt=0)
-    original_max_position_embeddings: int = setting(
-        8192, "llama3 / yarn scaling: context length of the unscaled model.", gt=0
-    )
-    beta_fast: float = setting(32.0, "yarn scaling: rotations below which frequencies are interpolated fully.", gt=0)
-    beta_slow: float = setting(1.0, "yarn scaling: rotations above which frequencies are kept.", gt=0)
-    mscale: float = setting(
-        1.0,
-        "yarn scaling: cos/sin x mscale(factor, mscale) / mscale(factor, mscale_all_dim), as HF (0: not given).",
-        ge=0,
-    )
-    mscale_all_dim: float = setting(
-        0.0, "yarn scaling: softmax scale x (0.1 mscale_all_dim ln(factor) + 1)^2 (DeepSeek; 0: none).", ge=0
-    )
+    original_max_position_embeddings: int = setting(8192, "Scaling: context length of the unscaled model.", gt=0)
 
 
 @dataclass
@@ -55,8 +50,8 @@ class PetConfig:
 class ModelConfig:
     type: str = setting(
         "LlamaConfig",
-        "Architecture family: LlamaConfig, Qwen2Config (q/k/v bias on by default) or Qwen3Config (q/k norm on).",
-        choices=MODEL_TYPES,
+        "Architecture: picks the family and its config class; the family's own fields are listed under its types.",
+        choices=MODEL_CONFIGS,
     )
     seq_length: int = setting(2048, "Tokens per training sample (the context length trained on).", gt=0)
     hidden_size: int = setting(4096, "Model width (embedding dimension).", gt=0)
@@ -82,25 +77,6 @@ class ModelConfig:
         aliases=("max_position_embeddings",),
     )
     tie_word_embeddings: bool = setting(False, "Share the input embedding matrix with the output projection.")
-    qkv_has_bias: bool = setting(False, "Add a bias to the q/k/v projections (Qwen2).")
-    use_qk_norm: bool = setting(False, "RMSNorm on each query and key head before rotary (Qwen3).")
-    q_lora_rank: int | None = setting(
-        None,
-        "Latent attention: rank of the low-rank query projection (None: a full q_proj, as in V2-Lite).",
-        gt=0,
-    )
-    kv_lora_rank: int | None = setting(
-        None, "Latent attention (DeepSeek-V2/V3): rank of the compressed key/value; None: multi-head attention.", gt=0
-    )
-    qk_rope_head_dim: int = setting(64, "Latent attention: per-head width of the rotary part of queries/keys.", gt=0)
-    qk_nope_head_dim: int = setting(128, "Latent attention: per-head width of the part without rotary.", gt=0)
-    v_head_dim: int = setting(128, "Latent attention: per-head width of the values.", gt=0)
-    rope_interleave: bool = setting(
-        False, "Rotary on interleaved pairs (x0,x1),(x2,x3)... as DeepSeek's checkpoints are laid out."
-    )
-    moe_config: MoeConfig = setting(
-        MoeConfig, "Mixture-of-Experts: experts, routing, balancing (MindSpore's top-level moe_config lands here)."
-    )
     compute_dtype: str = setting(
         "float32", "Dtype of matmuls and activations (bfloat16 for mixed precision).", choices=DTYPES
     )
@@ -158,42 +134,16 @@ class ModelConfig:
 
     @property
     def is_moe(self) -> bool:
-        """The model has routed experts (moe_config.expert_num > 1)."""
-        return self.moe_config.expert_num > 1
+        """The model has routed experts (a family built on models/moe/ says when; the base has none)."""
+        return False
 
     def is_moe_layer(self, index: int) -> bool:
-        """Layer `index` has a Mixture-of-Experts block instead of a dense MLP: DeepSeek's first_k_dense_replace
-        and Qwen-MoE's decoder_sparse_step / mlp_only_layers together."""
-        m = self.moe_config
-        return (
-            self.is_moe
-            and index >= m.first_k_dense_replace
-            and index not in m.mlp_only_layers
-            and (index + 1) % m.decoder_sparse_step == 0
-        )
+        """Layer `index` has a Mixture-of-Experts block instead of a dense MLP (never, for the base)."""
+        return False
 
-    @property
-    def expert_ffn_size(self) -> int:
-        """Hidden width of one routed expert: moe_intermediate_size, else the dense MLP's."""
-        return self.moe_config.moe_intermediate_size or self.ffn_hidden_size
-
-    @property
-    def shared_ffn_size(self) -> int:
-        """Hidden width of the shared experts' MLP (0: none)."""
-        m = self.moe_config
-        if m.shared_expert_intermediate_size:
-            return m.shared_expert_intermediate_size
-        return m.shared_expert_num * self.expert_ffn_size
-
-    @property
-    def uses_mla(self) -> bool:
-        """Multi-head latent attention (DeepSeek-V2/V3) instead of grouped-query attention."""
-        return self.kv_lora_rank is not None
-
-    @property
-    def qk_head_dim(self) -> int:
-        """Per-head width of queries and keys under latent attention (no-rope part + rotary part)."""
-        return self.qk_nope_head_dim + self.qk_rope_head_dim
+    def validate(self, cfg) -> None:
+        """The family's own cross-field rules (one UserError line each); `cfg` is the whole MeshformerConfig. The
+        base checks nothing: config/validate.py checks what every decoder shares."""
 
 
 @dataclass

@@ -9,7 +9,6 @@ from __future__ import annotations
 import re
 
 from meshformer.config.schema import MeshformerConfig, ModelConfig
-from meshformer.config.validate_moe import validate_moe
 from meshformer.errors import UserError
 
 # Schedules that need at least as many micro-batches as pipeline stages.
@@ -57,7 +56,7 @@ def validate_config(cfg: MeshformerConfig) -> None:
             f"model.model_config.pet_config.lora_rank={mc.pet_config.lora_rank} is wider than any linear of the model "
             f"(at most {widest}): a rank above a linear's width adds nothing; use e.g. 8 to 64"
         )
-    validate_moe(mc, cfg.parallel_config.pipeline_stage)
+    mc.validate(cfg)  # the family's own rules (its config class, in its folder)
     validate_layout(cfg, world_size=None)
     pp = cfg.parallel_config.pipeline_stage
     sel = cfg.recompute_config.select_recompute
@@ -318,15 +317,17 @@ def check_expert_parallel(cfg: MeshformerConfig) -> None:
     """expert_parallel (ep) splits each MoE layer's experts over ranks it borrows from the parameter-sharding
     data-parallel ranks x context_parallel (parallel/dims.py): it needs routed experts, must divide their number,
     and must divide the ranks it borrows. Tensor-parallel ranks are not borrowed: experts stay whole on each."""
-    pc, m = cfg.parallel_config, cfg.model.model_config.moe_config
+    pc, mc = cfg.parallel_config, cfg.model.model_config
     ep = pc.expert_parallel
     if ep == 1:
         return
-    if not cfg.model.model_config.is_moe:
+    if not mc.is_moe:
+        experts = mc.moe_config.expert_num if hasattr(mc, "moe_config") else 1
         raise UserError(
             f"parallel_config.expert_parallel={ep} but the model is dense (model.model_config.moe_config.expert_num="
-            f"{m.expert_num}): set expert_parallel: 1, or train an MoE model"
+            f"{experts}): set expert_parallel: 1, or train an MoE model"
         )
+    m = mc.moe_config
     if m.expert_num % ep:
         raise UserError(
             f"parallel_config.expert_parallel={ep} must divide moe_config.expert_num={m.expert_num}: choose "

@@ -2,7 +2,7 @@
 
 Importing this package registers the built-in families (models/llama/, models/llama_moe/, models/deepseek/)."""
 
-from meshformer.models import deepseek, llama_moe  # noqa: F401  (register the DeepSeek and MoE Llama families)
+from meshformer.models import llama, llama_moe, deepseek  # noqa: F401, I001  (register the families, in this order)
 from meshformer.models.init import build_model, create_model, init_weights, materialize
 from meshformer.models.llama import KVCache, Transformer, num_params
 from meshformer.models.registry import ModelFamily, families, family_for_hf, family_of, register_family

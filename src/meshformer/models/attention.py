@@ -92,3 +92,11 @@ def sdpa(q, k, v, mask=None, scale=None, is_causal: bool = False) -> torch.Tenso
     gqa = q.shape[1] != k.shape[1]
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, enable_gqa=gqa, scale=scale)
     return out[..., :width] if out.shape[-1] != width else out
+
+
+def document_positions(documents: torch.Tensor) -> torch.Tensor:
+    """Position of every token within its document: [batch, seq] indices -> [batch, seq], 0 where one starts."""
+    idx = torch.arange(documents.shape[1], device=documents.device).expand_as(documents)
+    starts = torch.ones_like(documents, dtype=torch.bool)
+    starts[:, 1:] = documents[:, 1:] != documents[:, :-1]
+    return idx - torch.where(starts, idx, torch.zeros_like(idx)).cummax(dim=1).values

@@ -1,9 +1,11 @@
 """Model families: everything that makes one architecture, in one spec the rest of meshformer asks.
 
-A family is one folder under models/ (the modules, its config.json mapping, its GGUF names) plus one
-`register_family` call; the trainer, the planner, the converters and generation look the family up by the
-config's `model_config.type` (`family_of`) or by a Hugging Face config.json (`family_for_hf`) and never name an
-architecture themselves. Families are registered when `meshformer.models` is imported.
+A family is one folder under models/ (its config classes, the modules, its config.json mapping, its GGUF names)
+plus one `register_family` call; the config loader, the trainer, the planner, the converters and generation look
+the family up by the config's `model_config.type` (`family_of`) or by a Hugging Face config.json (`family_for_hf`)
+and ask it what varies by architecture (its config class, FLOPs, KV cache, context parallelism, the fields a
+fine-tune takes): they never name an architecture, an attention class or a family's field themselves
+(tests/test_structure.py scans for it). Families are registered when `meshformer.models` is imported.
 
 The model a family builds is a plain nn.Module with `.config`, `layers` (a ModuleDict keyed by the global layer
 index) and, for pipeline splitting, optional `embed_tokens` / `norm` / `lm_head` (docs/design.md, Seams).
@@ -16,7 +18,8 @@ import difflib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from meshformer.config.fields import LATENT_ATTENTION_TYPES, MODEL_TYPES, MOE_MODEL_TYPES
+from meshformer.config.fields import MODEL_CONFIGS
+from meshformer.config.model_schema import ModelConfig
 from meshformer.errors import UserError
 
 HF_HEAD = "lm_head.weight"  # every *ForCausalLM's output projection, outside the `model.` body
@@ -60,9 +63,40 @@ class MindSporeNames:
 
 
 @dataclass(frozen=True)
+class AttentionCost:
+    """Attention's own model FLOPs per token (scores and their weighted sum, forward and backward; PaLM's count,
+    causality not halved), and the formula `meshformer plan --explain` prints with its numbers."""
+
+    flops_per_token: int
+    formula: str  # e.g. "12 x L x heads x head_dim x s"
+    numbers: str  # the same with the config's values, seq_length last
+
+
+def dense_attention_cost(mc) -> AttentionCost:
+    """Multi-head (grouped-query) attention whose queries, keys and values are `dim_per_head` wide."""
+    L, heads, hd, s = mc.num_layers, mc.num_heads, mc.dim_per_head, mc.seq_length
+    return AttentionCost(
+        6 * L * heads * (hd + hd) * s, "12 x L x heads x head_dim x s", f"12 x {L} x {heads} x {hd} x {s}"
+    )
+
+
+def dense_kv_width(mc) -> int:
+    """Numbers a KV cache keeps per token and layer: keys and values of every key/value head."""
+    return 2 * mc.num_kv_heads * mc.dim_per_head
+
+
+def dense_cp_gather_width(mc, tp: int) -> int:
+    """Numbers context parallelism gathers per token and attention layer on a rank of `tp`: its K and V heads."""
+    return 2 * (mc.num_kv_heads // tp) * mc.dim_per_head
+
+
+@dataclass(frozen=True)
 class ModelFamily:
     name: str
-    config_types: tuple[str, ...]  # the `model_config.type` values this family builds
+    # the `model_config.type` values this family builds -> their config classes (each a config/model_schema.py
+    # ModelConfig subclass in the family's folder holding the family's own fields and defaults, and its own
+    # cross-field rules in `validate(cfg)`)
+    config_types: dict[str, type]
     hf_model_types: dict[str, str]  # Hugging Face model_type -> architecture class name, both ways of conversion
     build: Callable  # (ModelConfig) -> nn.Module, called under torch.device("meta")
     tp_plan: Callable  # (model or pipeline piece) -> {module-path glob: style name} (parallel/tp.py)
@@ -85,9 +119,22 @@ class ModelFamily:
     activation_model: object | None = None
     # MindSpore Transformers' names (`meshformer import MODEL.ckpt`, `export --format mindspore`); None: not converted
     mindspore_names: MindSporeNames | None = None
-    moe: bool = False  # builds routed experts from model_config.moe_config (a dense family refuses expert_num > 1)
-    # builds latent attention (kv_lora_rank, ...) and YaRN rotary; other families refuse those fields
-    latent_attention: bool = False
+    moe: bool = False  # builds routed experts from model_config.moe_config (its config classes have one)
+    # The family's own config fields a fine-tune takes from its base model (train/finetune.py adds the common ones;
+    # "moe_config.expert_num" names a field of a section)
+    shape_fields: tuple[str, ...] = ()
+    attention_cost: Callable = dense_attention_cost  # (ModelConfig) -> AttentionCost
+    kv_cache_width: Callable = dense_kv_width  # (ModelConfig) -> numbers the KV cache keeps per token and layer
+    # Context parallelism (parallel/context_parallel.py): {attention module class: {its attribute: what cp puts
+    # there}}; the names cp offers are `attend` (attention over K/V gathered from the cp ranks), `gather` (any
+    # per-token tensor gathered over the row) and `attend_gathered` (attention over already gathered K/V). The
+    # model's files stay free of parallel code: the attention only calls its attributes. Empty: cp is refused.
+    cp_attention: dict = field(default_factory=dict)
+    cp_gather_width: Callable = dense_cp_gather_width  # (ModelConfig, tp) -> numbers gathered per token and layer
+    # (cfg, dims, micro_batch) -> (bytes one attention layer keeps under cp beyond the local-length plan, bytes its
+    # attention saves transiently); None: the gathered K/V (cp_gather_width) are what it keeps
+    # (planner/context_parallel.py)
+    cp_saved_bytes: Callable | None = None
 
     def to_hf_state(self, state: dict, mc=None) -> dict:
         """Our state dict -> Hugging Face's names on disk: the architecture's renaming where the family has one
@@ -114,12 +161,12 @@ class ModelFamily:
         output projection, tied to that embedding or not; of an MoE model the active ones: top-k routed experts)
         + 6 x layers x heads x (q/k head width + v head width) x seq_length for the attention scores and their
         weighted sum, i.e. 12 x layers x heads x head_dim x seq_length when q, k and v are as wide (not halved for
-        causality). Recompute is overhead, not model work: not counted."""
+        causality; the family's `attention_cost`: latent attention's q/k and v heads have widths of their own).
+        Recompute is overhead, not model work: not counted."""
         embedding = mc.vocab_size * mc.hidden_size
         head = embedding if mc.tie_word_embeddings else 0  # an untied head is in param_count already
         matmul = self.active_param_count(mc) - embedding + head
-        qk, v = (mc.qk_head_dim, mc.v_head_dim) if mc.uses_mla else (mc.dim_per_head, mc.dim_per_head)
-        return 6 * matmul + 6 * mc.num_layers * mc.num_heads * (qk + v) * mc.seq_length
+        return 6 * matmul + self.attention_cost(mc).flops_per_token
 
 
 _FAMILIES: dict[str, ModelFamily] = {}
@@ -136,21 +183,27 @@ def register_family(family: ModelFamily) -> ModelFamily:
         )
         if family.name == other.name or clash:
             raise ValueError(f"model family {family.name!r} clashes with {other.name!r} ({clash or 'same name'})")
+    for name, cls in family.config_types.items():
+        if not (isinstance(cls, type) and issubclass(cls, ModelConfig)):
+            raise ValueError(f"model family {family.name!r}: type {name!r} needs a ModelConfig subclass, not {cls!r}")
     _FAMILIES[family.name] = family
-    MODEL_TYPES.add(family.config_types)
-    if family.moe:
-        MOE_MODEL_TYPES.add(family.config_types)
-    if family.latent_attention:
-        LATENT_ATTENTION_TYPES.add(family.config_types)
+    for name, cls in family.config_types.items():
+        MODEL_CONFIGS.add(name, cls)
     return family
 
 
 def unregister_family(name: str) -> None:
     gone = _FAMILIES.pop(name, None)
     if gone is not None:
-        MODEL_TYPES.discard(gone.config_types)
-        MOE_MODEL_TYPES.discard(gone.config_types)
-        LATENT_ATTENTION_TYPES.discard(gone.config_types)
+        MODEL_CONFIGS.discard(gone.config_types)
+
+
+def model_config(type: str = "LlamaConfig", **fields) -> ModelConfig:
+    """A model config of `type` built directly (tests, tools): its family's class with these fields."""
+    cls = MODEL_CONFIGS.class_of(type) if families() else None
+    if cls is None:
+        family_of(ModelConfig(type=type))  # one line naming the known types
+    return cls(type=type, **fields)
 
 
 def families() -> list[ModelFamily]:

@@ -12,10 +12,12 @@ positions), so no reordering copy is made; the attention call is checkpointed an
 the position vectors (`KeyLayout`), so no quadratic tensor outlives a layer. It runs on any device and backend
 (gloo included), where torch's `context_parallel` ring attention has no rule for the CPU attention kernel; the ring
 (GPU flash/efficient SDPA, no document masks) is not wired yet, and `note` says which path runs and why.
-Latent attention (DeepSeek-V2/V3, models/deepseek/mla.py) gathers what it caches instead: each token's compressed
-latent and rotary key (kv_lora_rank + qk_rope_head_dim numbers, 576 for DeepSeek-V3, against 128 heads x (192 +
-128) expanded), through its `gather_latent` seam, and every rank expands the whole row's keys and values with its
-kv_b_proj before the same masked attention; the rotary key is rotated at its global position before the gather.
+Which attention modules take part, and through which of their attributes, is their family's to say
+(`ModelFamily.cp_attention`): the model's files hold no parallel code, only the seams cp fills. Latent attention
+(DeepSeek-V2/V3) gathers what it caches instead of K and V: each token's compressed latent and rotary key (576
+numbers for DeepSeek-V3, against 128 heads x (192 + 128) expanded), through its `gather` seam, and every rank
+expands the whole row's keys and values before the same masked attention (`attend_gathered`); the rotary key is
+rotated at its global position before the gather.
 
 Everything else follows the sequence from outside the model: the step hands the model and the loss this rank's
 tokens and labels (`local_sequence`, train/step.py), so the token count and the loss reduce over "loss"
@@ -34,7 +36,7 @@ import torch.utils.checkpoint
 from torch import nn
 
 from meshformer.errors import UserError
-from meshformer.models.attention import sdpa
+from meshformer.models.attention import document_positions, sdpa
 from meshformer.parallel.env import ParallelEnv
 
 
@@ -77,9 +79,7 @@ def key_layout(
 ) -> tuple[torch.Tensor, KeyLayout]:
     """(rotary positions [b or 1, q], KeyLayout) of the tokens at global positions `queries` attending to the keys at
     global positions `keys`; `documents` [b, seq]: the whole rows' (packed), positions restarting at each document
-    (models/llama/model.py)."""
-    from meshformer.models.llama.model import document_positions
-
+    (models/attention.py document_positions)."""
     if documents is None:
         return queries[None], KeyLayout(queries, keys)
     q_docs, k_docs = documents.index_select(1, queries), documents.index_select(1, keys)
@@ -168,28 +168,33 @@ class ContextParallel:
 
 def apply_context_parallel(model: nn.Module, env: ParallelEnv) -> str | None:
     """Install context parallelism on one model part (the whole model, or a pipeline stage's piece): every attention
-    block attends through keys and values gathered from the cp ranks (a Llama block gathers K and V, a latent one
-    its per-token latents, expanded after), and the part's root computes the global layout of its tokens (its
-    input's sequence length is the local one). Returns which path runs."""
+    block attends through keys and values gathered from the cp ranks, as its family's `cp_attention` says which of
+    the block's attributes take which of cp's functions (grouped-query attention: `attend`; latent attention gathers
+    its latents, expanded after), and the part's root computes the global layout of its tokens (its input's
+    sequence length is the local one). Returns which path runs."""
     if env.dims.cp == 1:
         return None
-    from meshformer.models.deepseek.mla import LatentAttention
-    from meshformer.models.llama.model import Attention
+    from meshformer.models.registry import family_of
 
     cp = ContextParallel(env)
-    blocks = [m for m in model.modules() if isinstance(m, (Attention, LatentAttention))]
-    if not blocks:
+    family = family_of(model.config)
+    slots = [(m, s) for m in model.modules() for cls, s in family.cp_attention.items() if isinstance(m, cls)]
+    if not slots:
         raise UserError(
-            f"parallel_config.context_parallel={cp.cp}: {type(model).__name__} has no Llama-style or latent "
-            "attention to split: set context_parallel: 1"
+            f"parallel_config.context_parallel={cp.cp}: {type(model).__name__} has no attention the "
+            f"{family.name} family lets context parallelism split: set context_parallel: 1"
         )
-    for block in blocks:
-        if isinstance(block, LatentAttention):
-            block.gather_latent, block.attend = cp.gather, cp.attend_gathered
-        else:
-            block.attend = cp.attend
+    for block, names in slots:
+        for attribute, offered in names.items():
+            if offered not in CP_FUNCTIONS:
+                raise ValueError(f"family {family.name!r}: cp_attention names {offered!r}, not one of {CP_FUNCTIONS}")
+            setattr(block, attribute, getattr(cp, offered))
     model.register_forward_pre_hook(cp.pre_hook, with_kwargs=True)
     return cp.note
+
+
+# The ContextParallel methods a family's `cp_attention` may install on its attention (models/registry.py).
+CP_FUNCTIONS = ("attend", "gather", "attend_gathered")
 
 
 def local_sequence(env: ParallelEnv, *rows: torch.Tensor) -> tuple[torch.Tensor, ...]:

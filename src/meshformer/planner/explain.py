@@ -18,7 +18,7 @@ def explain(plan: Plan) -> list[str]:
     a = 2 if mc.compute_dtype != "float32" else 4
     n = 4 if mc.layernorm_compute_dtype == "float32" else 2
     T = plan.micro_batch * mc.seq_length
-    h, f, L = mc.hidden_size, mc.ffn_hidden_size, mc.num_layers
+    h, f = mc.hidden_size, mc.ffn_hidden_size
     q, kv = mc.num_heads * mc.dim_per_head, mc.num_kv_heads * mc.dim_per_head
     N = family_of(mc).param_count(mc)
     tp, sp = dims.tp, pc.use_seq_parallel and dims.tp > 1
@@ -75,15 +75,10 @@ def explain(plan: Plan) -> list[str]:
             f"{_g(moe.a2a_buffer_bytes)} (T*k = {rows:,} rows)",
         ]
     counted = moe.active_params if moe is not None else N
-    if mc.uses_mla:  # latent attention: q/k and v heads of their own widths
-        attn = (
-            f"attention 6 x L x heads x (qk + v) x s = 6 x {L} x {mc.num_heads} x ({mc.qk_head_dim} + {mc.v_head_dim})"
-        )
-    else:
-        attn = f"attention 12 x L x heads x head_dim x s = 12 x {L} x {mc.num_heads} x {mc.dim_per_head}"
+    attn = family_of(mc).attention_cost(mc)  # the family's attention term (latent attention: q/k and v widths)
     lines += [
-        f"FLOPs per token = 6 x (N{'_active' if moe else ''} - V*h) + {attn.split(' = ')[0]} = 6 x "
-        f"{counted - embedding:,} + {attn.split(' = ')[1]} x {mc.seq_length} = {t.flops_per_token / 1e9:.2f} GFLOP "
+        f"FLOPs per token = 6 x (N{'_active' if moe else ''} - V*h) + attention {attn.formula} = 6 x "
+        f"{counted - embedding:,} + {attn.numbers} = {t.flops_per_token / 1e9:.2f} GFLOP "
         f"(causal not halved)",
         f"model FLOPs per step = {t.flops_per_token / 1e9:.2f} GFLOP x {t.flops_per_step / t.flops_per_token:,.0f} "
         f"tokens = {t.flops_per_step / 1e15:.3f} PFLOP; with recompute's extra forward (and a routing pre-pass) "

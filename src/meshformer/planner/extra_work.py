@@ -21,7 +21,7 @@ def recompute_share(cfg: MeshformerConfig) -> float:
 def prepass_share(cfg: MeshformerConfig) -> float:
     """Extra work of the global-batch balancing loss: one forward without gradients per step (a third of a step's
     model FLOPs) that routes every micro-batch first (train/moe_balance.py `routing_prepass`)."""
-    from meshformer.config.validate_moe import aux_losses
+    from meshformer.models.moe.validate import aux_losses
 
     mc = cfg.model.model_config
     return 1 / 3 if mc.is_moe and "global_batch" in aux_losses(mc) else 0.0

@@ -77,6 +77,7 @@ def fake_state_bytes(cfg, rank: int, world: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
+    import meshformer.models  # noqa: F401  (the families' config classes, before the config loads)
     from meshformer.config.load import load_config
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])

@@ -3,10 +3,10 @@
 FLOP convention (the trainer's MFU uses the same rule, the model family's flops_per_token, models/registry.py): model
 FLOPs per token = 6 x the parameters that do a matmul per token (all but the input embedding, plus the output
 projection, tied or not; of an MoE model only the active ones, top-k routed experts) + 12 x layers x heads x
-head_dim x seq_length (latent attention: 6 x layers x heads x (q/k + v head widths) x seq_length; PaLM / torchtitan:
-the causal attention term is not halved). Recompute adds one forward (2/6 of the layer FLOPs) to the hardware's work
-but not to the model's, so it lowers throughput, not MFU's numerator; so does the global-batch balancing loss's
-routing pre-pass (one forward of the whole model per step).
+head_dim x seq_length (the family's `attention_cost`: latent attention's q/k and v heads have widths of their own;
+PaLM / torchtitan: the causal attention term is not halved). Recompute adds one forward (2/6 of the layer FLOPs) to
+the hardware's work but not to the model's, so it lowers throughput, not MFU's numerator; so does the global-batch
+balancing loss's routing pre-pass (one forward of the whole model per step).
 
 Communication per rank and step (ring collectives move 2(n-1)/n of the buffer for an all-reduce, (n-1)/n for an
 all-gather or reduce-scatter):
@@ -17,9 +17,9 @@ all-gather or reduce-scatter):
   pipeline         T x h (/ t) activations forward and their gradients backward per stage boundary and micro-batch
   expert parallel  all-to-all of the routed rows, dispatch + combine forward and backward (planner/experts.py);
                    routed experts' gradients reduce over dp_replicate x efsdp, the rest over data parallel
-  context parallel per attention layer and micro-batch, the all-gather of K and V over cp (2 x micro_batch x seq x
-                   kv_heads / tp x head_dim, (cp-1)/cp of it received; latent attention: micro_batch x seq x
-                   (kv_lora_rank + qk_rope_head_dim)) forward, its reduce-scatter backward, one
+  context parallel per attention layer and micro-batch, the all-gather of K and V over cp (micro_batch x seq x
+                   the family's cp_gather_width: 2 x kv_heads / tp x head_dim, latent attention its latent and
+                   rotary key; (cp-1)/cp of it received) forward, its reduce-scatter backward, one
                    more all-gather with full recompute (parallel/context_parallel.py); tp and pp move a cp rank's
                    seq / cp tokens
 Activation swap: the swapped bytes go to host memory during forward (overlapping its third of the compute) and
@@ -164,10 +164,7 @@ def _cp_bytes(
     if dims.cp == 1:
         return 0.0
     mc = cfg.model.model_config
-    if mc.uses_mla:  # latent attention gathers each token's latent and rotary key, whole on every tp rank
-        kv = micro_batch * mc.seq_length * (mc.kv_lora_rank + mc.qk_rope_head_dim) * a
-    else:
-        kv = 2 * micro_batch * mc.seq_length * (mc.num_kv_heads // dims.tp) * mc.dim_per_head * a
+    kv = micro_batch * mc.seq_length * family_of(mc).cp_gather_width(mc, dims.tp) * a
     calls = 2 + (1 if recompute_share(cfg) else 0)
     return calls * layers * n_micro * kv * (dims.cp - 1) / dims.cp
 

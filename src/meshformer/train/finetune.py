@@ -8,6 +8,7 @@ init and token-id settings. Only the weights come along (not the optimizer state
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import yaml
@@ -16,9 +17,11 @@ from meshformer.config.load import from_dict, load_yaml_text
 from meshformer.config.model_schema import ModelConfig, RopeScalingConfig
 from meshformer.config.schema import MeshformerConfig
 from meshformer.errors import UserError
+from meshformer.models.registry import family_of
 
+# The fields every model config has that shape the network; a family adds its own (ModelFamily.shape_fields, e.g.
+# its attention's widths, "moe_config.expert_num" for a field of a section).
 SHAPE_FIELDS = (
-    "type",
     "hidden_size",
     "num_layers",
     "num_heads",
@@ -30,34 +33,7 @@ SHAPE_FIELDS = (
     "theta",
     "rope_scaling",
     "tie_word_embeddings",
-    "qkv_has_bias",
-    "use_qk_norm",
     "max_position_embedding",
-    "q_lora_rank",
-    "kv_lora_rank",
-    "qk_rope_head_dim",
-    "qk_nope_head_dim",
-    "v_head_dim",
-    "rope_interleave",
-)
-# moe_config fields that shape the network (which layers have experts, how many, how tokens are routed); the
-# balancing losses, capacity and the bias update stay the run's, like the dtypes.
-MOE_SHAPE_FIELDS = (
-    "expert_num",
-    "num_experts_chosen",
-    "moe_intermediate_size",
-    "shared_expert_num",
-    "shared_expert_intermediate_size",
-    "shared_expert_gate",
-    "use_gating_sigmoid",
-    "topk_method",
-    "n_group",
-    "topk_group",
-    "norm_topk_prob",
-    "routed_scaling_factor",
-    "first_k_dense_replace",
-    "decoder_sparse_step",
-    "mlp_only_layers",
 )
 
 
@@ -86,10 +62,10 @@ def apply_finetune_base(cfg: MeshformerConfig) -> list[str]:
     if not cfg.load_checkpoint:
         raise UserError("run_mode: finetune needs load_checkpoint (a checkpoint, run directory or Hugging Face model)")
     base = base_model_config(cfg.load_checkpoint)
-    mc = cfg.model.model_config
     given = getattr(cfg, "given_model_fields", frozenset())
-    taken = _take(mc, base, SHAPE_FIELDS, given, "")
-    taken += _take(mc.moe_config, base.moe_config, MOE_SHAPE_FIELDS, given, "moe_config.")
+    mc = _as_class_of(cfg.model.model_config, base, given)
+    cfg.model.model_config = mc
+    taken = _take(mc, base, ("type", *SHAPE_FIELDS, *family_of(base).shape_fields), given)
     return (
         [
             f"run_mode finetune: model shape from {cfg.load_checkpoint} ({mc.type}, {mc.num_layers} layers, hidden "
@@ -100,23 +76,48 @@ def apply_finetune_base(cfg: MeshformerConfig) -> list[str]:
     )
 
 
-def _take(ours_cfg, base_cfg, names, given, prefix: str) -> list[str]:
-    """Copy each of `names` the run leaves out from the base; one line for a given one that differs."""
+def _as_class_of(mc: ModelConfig, base: ModelConfig, given) -> ModelConfig:
+    """The run's model config as the base model's config class (a run that names no type was loaded as the default
+    type's): the run's own values for every field both classes have, the class defaults for the rest (the shape
+    fields among them are then taken from the base, as for any run). A field the run gives that the base's class
+    has not is one line."""
+    if type(mc) is type(base):
+        return mc
+    if "type" in given:
+        _take(mc, base, ("type",), given)  # names both types
+    ours = {f.name for f in dataclasses.fields(mc)}
+    for name in sorted(given):
+        top = name.split(".")[0]
+        if top not in {f.name for f in dataclasses.fields(base)}:
+            raise UserError(
+                f"model.model_config.{name} is not a field of {base.type}, the model in load_checkpoint: remove it"
+            )
+    values = {f.name: getattr(mc, f.name) for f in dataclasses.fields(base) if f.name in ours}
+    return type(base)(**{**values, "type": base.type})
+
+
+def _take(ours_cfg, base_cfg, names, given) -> list[str]:
+    """Copy each of `names` the run leaves out from the base (a dotted name: a field of a section); one line for a
+    given one that differs."""
     taken = []
     for name in names:
-        theirs = getattr(base_cfg, name)
-        if prefix + name in given:
-            ours = getattr(ours_cfg, name)
+        *section, leaf = name.split(".")
+        ours_obj, base_obj = ours_cfg, base_cfg
+        for part in section:
+            ours_obj, base_obj = getattr(ours_obj, part), getattr(base_obj, part)
+        theirs = getattr(base_obj, leaf)
+        if name in given:
+            ours = getattr(ours_obj, leaf)
             same = vars(ours) == vars(theirs) if isinstance(ours, RopeScalingConfig) else ours == theirs
             if not same:
                 raise UserError(
-                    f"model.model_config.{prefix}{name}={_show(ours)} but the model in load_checkpoint has "
+                    f"model.model_config.{name}={_show(ours)} but the model in load_checkpoint has "
                     f"{_show(theirs)}: remove the field (run_mode: finetune takes the model's own) or fine-tune "
                     f"another model"
                 )
         else:
-            setattr(ours_cfg, name, theirs)
-            taken.append(prefix + name)
+            setattr(ours_obj, leaf, theirs)
+            taken.append(name)
     return taken
 
 

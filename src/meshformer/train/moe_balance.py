@@ -6,7 +6,7 @@ Pre-pass (`routing_prepass`, called by train_step; only when a layer has the glo
 without gradients over each of the rank's micro-batches (`parts.eval_loss`, in training mode and the step's
 autocast, so the routes are the real forwards'), every layer's tokens per expert summed over the loss mesh, before
 the real forwards, which then use the step's global f. Cost: one extra forward per step (about a third of a
-step's compute). Not under pipeline parallelism (config/validate_moe.py refuses it): the pipeline's forward-only
+step's compute). Not under pipeline parallelism (models/moe/validate.py refuses it): the pipeline's forward-only
 path needs a training step first.
 
 Bias update (`balance_via_topk_bias`): after each optimizer step that ran, every router's `e_score_correction_bias`

@@ -2,8 +2,9 @@
 rope_yarn.py) with Mixture-of-Experts blocks (model.py), its config.json and per-expert tensor names (hf.py), and its
 entry in the model-family registry. Multi-token prediction is left out (model.py says why)."""
 
+from meshformer.models.deepseek import capabilities
+from meshformer.models.deepseek.config import CONFIG_CLASSES, SHAPE_FIELDS, DeepseekConfig
 from meshformer.models.deepseek.hf import (
-    CONFIG_TYPES,
     HF_MODEL_TYPES,
     config_from_hf,
     config_to_hf,
@@ -16,7 +17,7 @@ from meshformer.models.registry import ModelFamily, register_family
 
 DEEPSEEK = ModelFamily(
     name="deepseek",
-    config_types=tuple(config_type for config_type, _ in CONFIG_TYPES.values()),
+    config_types=CONFIG_CLASSES,
     hf_model_types=HF_MODEL_TYPES,
     build=DeepseekTransformer,
     tp_plan=tp_plan,
@@ -26,8 +27,21 @@ DEEPSEEK = ModelFamily(
     from_hf_tensors=from_hf_tensors,
     to_hf_tensors=to_hf_tensors,
     moe=True,
-    latent_attention=True,
+    shape_fields=SHAPE_FIELDS,
+    attention_cost=capabilities.attention_cost,
+    kv_cache_width=capabilities.latent_width,
+    cp_attention={LatentAttention: {"gather_latent": "gather", "attend": "attend_gathered"}},
+    cp_gather_width=capabilities.latent_width,
+    cp_saved_bytes=capabilities.cp_saved_bytes,
 )
 register_family(DEEPSEEK)
 
-__all__ = ["DEEPSEEK", "DeepseekTransformer", "LatentAttention", "LatentCache", "param_count", "tp_plan"]
+__all__ = [
+    "DEEPSEEK",
+    "DeepseekConfig",
+    "DeepseekTransformer",
+    "LatentAttention",
+    "LatentCache",
+    "param_count",
+    "tp_plan",
+]

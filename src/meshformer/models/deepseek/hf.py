@@ -20,9 +20,9 @@ from dataclasses import replace
 
 import torch
 
-from meshformer.config.model_schema import RopeScalingConfig
 from meshformer.config.schema import ModelConfig
 from meshformer.errors import UserError
+from meshformer.models.deepseek.config import YarnRopeScalingConfig
 from meshformer.models.llama.hf import common_fields, common_hf
 from meshformer.models.moe.hf_experts import split_experts, stack_experts
 
@@ -169,8 +169,6 @@ def _refuse_unexportable(mc: ModelConfig, model_type: str) -> None:
                 f"model_config.moe_config.{key} (or model_config.{key}) as set has no {CONFIG_TYPES[model_type][1]} "
                 f"spelling: transformers would compute another model"
             )
-    if mc.qkv_has_bias or mc.use_qk_norm:
-        raise UserError("model_config: qkv_has_bias / use_qk_norm are not part of DeepSeek's latent attention")
 
 
 def config_to_hf(mc: ModelConfig, dtype: str) -> dict:
@@ -187,7 +185,7 @@ def config_to_hf(mc: ModelConfig, dtype: str) -> dict:
         raise UserError(f"model_config.rope_scaling.type={rs.type} has no DeepSeek spelling: use none or yarn")
     # The keys every Llama-architecture model writes the same way; the rotary part's, the heads' and the experts'
     # are DeepSeek's own
-    hf = common_hf(replace(mc, rope_scaling=RopeScalingConfig()), model_type, CONFIG_TYPES[model_type][1], dtype)
+    hf = common_hf(replace(mc, rope_scaling=YarnRopeScalingConfig()), model_type, CONFIG_TYPES[model_type][1], dtype)
     hf.pop("head_dim")
     hf.update(
         {

@@ -31,15 +31,10 @@ class DeepseekTransformer(MoeTransformer):
     rope_tables = MlaRopeTables
 
     def __init__(self, mc: ModelConfig):
-        if not mc.uses_mla:
+        if getattr(mc, "kv_lora_rank", None) is None:
             raise UserError(
                 f"model.model_config.type={mc.type} is latent attention: set kv_lora_rank (and qk_rope_head_dim, "
                 f"qk_nope_head_dim, v_head_dim, optionally q_lora_rank), or import its config.json"
-            )
-        if mc.qkv_has_bias or mc.use_qk_norm:
-            raise UserError(
-                f"model.model_config.type={mc.type}: qkv_has_bias / use_qk_norm are not part of latent attention: "
-                f"set both false"
             )
         super().__init__(mc)
 

@@ -3,8 +3,9 @@ mapping (hf.py), GGUF names (gguf.py), MindSpore Transformers names (mindspore_n
 model-family registry."""
 
 from meshformer.models.llama.activations import LLAMA_ACTIVATIONS
+from meshformer.models.llama.config import CONFIG_CLASSES, SHAPE_FIELDS, LlamaConfig, Qwen2Config, Qwen3Config
 from meshformer.models.llama.gguf import GGUF_NAMES
-from meshformer.models.llama.hf import CONFIG_TYPES, HF_MODEL_TYPES, config_from_hf, config_to_hf
+from meshformer.models.llama.hf import HF_MODEL_TYPES, config_from_hf, config_to_hf
 from meshformer.models.llama.mindspore_names import from_mindspore, mindspore_name, to_mindspore
 from meshformer.models.llama.model import (
     MLP,
@@ -27,7 +28,7 @@ from meshformer.models.registry import MindSporeNames, ModelFamily, register_fam
 
 LLAMA = ModelFamily(
     name="llama",
-    config_types=tuple(config_type for config_type, _, _ in CONFIG_TYPES.values()),
+    config_types=CONFIG_CLASSES,
     hf_model_types=HF_MODEL_TYPES,
     build=Transformer,
     tp_plan=tp_plan,
@@ -37,6 +38,8 @@ LLAMA = ModelFamily(
     gguf_names=GGUF_NAMES,
     activation_model=LLAMA_ACTIVATIONS,
     mindspore_names=MindSporeNames(from_mindspore, to_mindspore, mindspore_name),
+    shape_fields=SHAPE_FIELDS,
+    cp_attention={Attention: {"attend": "attend"}},
 )
 register_family(LLAMA)
 
@@ -46,6 +49,9 @@ __all__ = [
     "Attention",
     "DecoderLayer",
     "KVCache",
+    "LlamaConfig",
+    "Qwen2Config",
+    "Qwen3Config",
     "RMSNorm",
     "RopeTables",
     "Transformer",

@@ -22,7 +22,7 @@ from torch import nn
 
 from meshformer.config.schema import ModelConfig
 from meshformer.dtypes import DTYPE
-from meshformer.models.attention import causal_attention
+from meshformer.models.attention import causal_attention, document_positions
 
 
 class RMSNorm(nn.Module):
@@ -318,14 +318,6 @@ def tp_plan(model: nn.Module) -> dict[str, str]:
         "lm_head": "vocab_head",
         **{f"layers.*.{path}": style for path, style in layer.items()},
     }
-
-
-def document_positions(documents: torch.Tensor) -> torch.Tensor:
-    """Position of every token within its document: [batch, seq] indices -> [batch, seq], 0 where one starts."""
-    idx = torch.arange(documents.shape[1], device=documents.device).expand_as(documents)
-    starts = torch.ones_like(documents, dtype=torch.bool)
-    starts[:, 1:] = documents[:, 1:] != documents[:, :-1]
-    return idx - torch.where(starts, idx, torch.zeros_like(idx)).cummax(dim=1).values
 
 
 def document_layout(

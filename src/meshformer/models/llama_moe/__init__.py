@@ -1,8 +1,9 @@
 """The MoE Llama family (Mixtral, Qwen2-MoE, Qwen3-MoE): Llama attention with Mixture-of-Experts blocks (model.py),
 its config.json and per-expert tensor names (hf.py), and its entry in the model-family registry."""
 
+from meshformer.models.llama.model import Attention
+from meshformer.models.llama_moe.config import CONFIG_CLASSES, SHAPE_FIELDS
 from meshformer.models.llama_moe.hf import (
-    CONFIG_TYPES,
     HF_MODEL_TYPES,
     config_from_hf,
     config_to_hf,
@@ -15,7 +16,7 @@ from meshformer.models.registry import ModelFamily, register_family
 
 LLAMA_MOE = ModelFamily(
     name="llama_moe",
-    config_types=tuple(config_type for config_type, _ in CONFIG_TYPES.values()),
+    config_types=CONFIG_CLASSES,
     hf_model_types=HF_MODEL_TYPES,
     build=MoeTransformer,
     tp_plan=tp_plan,
@@ -26,6 +27,8 @@ LLAMA_MOE = ModelFamily(
     from_hf_tensors=from_hf_tensors,
     to_hf_for=to_hf_for,
     moe=True,
+    shape_fields=SHAPE_FIELDS,
+    cp_attention={Attention: {"attend": "attend"}},
 )
 register_family(LLAMA_MOE)
 

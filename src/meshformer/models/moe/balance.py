@@ -6,7 +6,7 @@ experts) (token, choice) pairs. Drop policy (Megatron's "probs"): each expert ke
 weight, ties broken by token order then choice order; a dropped pair contributes zero (the token's other
 weights are not renormalised; shared experts and the residual still carry it). The dropped fraction is counted.
 
-Balancing losses (`aux_loss_types` / `aux_loss_factors`, config/validate_moe.py `aux_losses`), each alpha x
+Balancing losses (`aux_loss_types` / `aux_loss_factors`, models/moe/validate.py `aux_losses`), each alpha x
 sum_e f_e P_e per layer (DeepSeek-V3's and MindSpore's form: 1 x alpha when the load is uniform), with f_e =
 E / (k T) x (tokens choosing e, before any capacity drop) and P_e the mean over the same T tokens of the
 normalised router scores (softmax; sigmoid scores divided by their sum). Summed over layers, reported as

@@ -16,10 +16,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from meshformer.config.schema import ModelConfig
-from meshformer.config.validate_moe import aux_losses
 from meshformer.models.moe import balance
 from meshformer.models.moe.experts import GroupedExperts
 from meshformer.models.moe.router import Router
+from meshformer.models.moe.validate import aux_losses
 
 
 class SwiGLU(nn.Module):

@@ -1,18 +1,18 @@
-"""Cross-field rules of `model.model_config.moe_config` and latent attention: one line each, before anything runs."""
+"""Cross-field rules of `model.model_config.moe_config` (`MoeModelConfig.validate`, models/moe/config.py, which
+imports this module): one line each, before anything runs."""
 
 from __future__ import annotations
 
-from meshformer.config.fields import LATENT_ATTENTION_TYPES, MODEL_TYPES, MOE_MODEL_TYPES
-from meshformer.config.model_schema import ModelConfig
-from meshformer.config.moe_schema import AUX_LOSS_TYPES
 from meshformer.errors import UserError
 
 M = "model.model_config.moe_config"
+# Load-balancing losses (models/moe/balance.py): where the router statistics come from.
+AUX_LOSS_TYPES = ("global_batch", "sequence", "micro_batch")
 # MindSpore Transformers' name of its expert-level balancing loss; meshformer computes it over the global batch.
 AUX_LOSS_ALIASES = {"expert": "global_batch"}
 
 
-def aux_losses(mc: ModelConfig) -> dict[str, float]:
+def aux_losses(mc) -> dict[str, float]:
     """{loss type: coefficient} of the balancing losses configured (types resolved, zero coefficients dropped)."""
     m = mc.moe_config
     pairs = zip(m.aux_loss_types, m.aux_loss_factors) if m.aux_loss_types else [("global_batch", m.aux_loss_factor)]
@@ -24,46 +24,13 @@ def aux_losses(mc: ModelConfig) -> dict[str, float]:
     return out
 
 
-def validate_latent_attention(mc: ModelConfig) -> None:
-    """Latent attention and YaRN rotary are the fields of the families that build them (DeepSeek); anywhere else
-    they would be ignored silently, so they are refused."""
-    if not len(MODEL_TYPES):  # no family registered yet: the family's build refuses what it cannot build
-        return
-    latent = mc.type in LATENT_ATTENTION_TYPES
-    where = "model.model_config"
-    if not latent and (mc.kv_lora_rank is not None or mc.q_lora_rank is not None):
-        field = "kv_lora_rank" if mc.kv_lora_rank is not None else "q_lora_rank"
-        raise UserError(
-            f"{where}.{field}={getattr(mc, field)}: latent attention is built by the types "
-            f"{', '.join(LATENT_ATTENTION_TYPES)}, not {mc.type}: choose one of them or remove {field}"
-        )
-    if not latent and mc.rope_scaling.type == "yarn":
-        raise UserError(
-            f"{where}.rope_scaling.type=yarn is built for the types {', '.join(LATENT_ATTENTION_TYPES)}, not "
-            f"{mc.type}: use llama3 or none"
-        )
-    if latent and mc.kv_lora_rank is None:
-        raise UserError(f"{where}.type={mc.type} uses latent attention: set {where}.kv_lora_rank (e.g. 512)")
-
-
-def validate_moe(mc: ModelConfig, pipeline_stage: int = 1) -> None:
-    validate_latent_attention(mc)
+def validate_moe(mc, pipeline_stage: int = 1) -> None:
     m = mc.moe_config
-    # MOE_MODEL_TYPES is filled as the families register (the CLI imports them first); while it is empty the
-    # registry's own lookup and the family's build refuse what they cannot build.
-    moe_types = list(MOE_MODEL_TYPES)
-    if mc.is_moe and len(MODEL_TYPES) and mc.type not in MOE_MODEL_TYPES:
-        raise UserError(
-            f"{M}.expert_num={m.expert_num} but model.model_config.type={mc.type} builds a dense model: choose an "
-            f"MoE type ({', '.join(moe_types)}) or set expert_num: 1"
-        )
-    if not mc.is_moe and mc.type in MOE_MODEL_TYPES and len(MODEL_TYPES):
+    if not mc.is_moe:
         raise UserError(
             f"model.model_config.type={mc.type} is a Mixture-of-Experts model: set {M}.expert_num (> 1) and "
             f"num_experts_chosen, or import its config.json (meshformer import DIR)"
         )
-    if not mc.is_moe:
-        return
     if m.num_experts_chosen > m.expert_num:
         raise UserError(f"{M}.num_experts_chosen={m.num_experts_chosen} exceeds expert_num={m.expert_num}")
     if m.expert_num % m.n_group:

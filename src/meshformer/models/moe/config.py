@@ -1,7 +1,9 @@
-"""`model.model_config.moe_config`: the Mixture-of-Experts part of a model, in MindSpore Transformers' names.
+"""`model.model_config.moe_config`: the Mixture-of-Experts part of a model, in MindSpore Transformers' names, and
+`MoeModelConfig`, the base of every config class whose family builds routed experts (models/llama_moe/,
+models/deepseek/): only those classes have a `moe_config` field, so a dense type refuses one.
 
 MindSpore Transformers writes `moe_config` at the top level of its YAML files; config/load.py moves it here, under
-the model it describes, so a family builds from one ModelConfig. Which layers are sparse, how tokens are routed and
+the model it describes, so a family builds from one model config. Which layers are sparse, how tokens are routed and
 how the load is balanced are all here; how experts are split over devices is `parallel_config.expert_parallel`.
 """
 
@@ -10,10 +12,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from meshformer.config.fields import setting
+from meshformer.config.model_schema import ModelConfig
+from meshformer.models.moe.validate import validate_moe
 
 TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
-# Load-balancing losses (models/moe/balance.py): where the router statistics come from.
-AUX_LOSS_TYPES = ("global_batch", "sequence", "micro_batch")
 
 
 @dataclass
@@ -63,3 +65,70 @@ class MoeConfig:
     use_gmm: bool | None = setting(
         None, "Routed experts by grouped matmuls (true) or a per-expert loop (false); default: grouped where it runs."
     )
+
+
+# moe_config fields that shape the network (which layers have experts, how many, how tokens are routed): a fine-tune
+# takes them from its base model (train/finetune.py); the balancing losses, capacity and the bias update stay the
+# run's, like the dtypes.
+MOE_SHAPE_FIELDS = tuple(
+    f"moe_config.{name}"
+    for name in (
+        "expert_num",
+        "num_experts_chosen",
+        "moe_intermediate_size",
+        "shared_expert_num",
+        "shared_expert_intermediate_size",
+        "shared_expert_gate",
+        "use_gating_sigmoid",
+        "topk_method",
+        "n_group",
+        "topk_group",
+        "norm_topk_prob",
+        "routed_scaling_factor",
+        "first_k_dense_replace",
+        "decoder_sparse_step",
+        "mlp_only_layers",
+    )
+)
+
+
+@dataclass
+class MoeModelConfig(ModelConfig):
+    """A model config with routed experts: the MoE families' classes extend it (with their attention's fields)."""
+
+    moe_config: MoeConfig = setting(
+        MoeConfig, "Mixture-of-Experts: experts, routing, balancing (MindSpore's top-level moe_config lands here)."
+    )
+
+    @property
+    def is_moe(self) -> bool:
+        """The model has routed experts (moe_config.expert_num > 1)."""
+        return self.moe_config.expert_num > 1
+
+    def is_moe_layer(self, index: int) -> bool:
+        """Layer `index` has a Mixture-of-Experts block instead of a dense MLP: DeepSeek's first_k_dense_replace
+        and Qwen-MoE's decoder_sparse_step / mlp_only_layers together."""
+        m = self.moe_config
+        return (
+            self.is_moe
+            and index >= m.first_k_dense_replace
+            and index not in m.mlp_only_layers
+            and (index + 1) % m.decoder_sparse_step == 0
+        )
+
+    @property
+    def expert_ffn_size(self) -> int:
+        """Hidden width of one routed expert: moe_intermediate_size, else the dense MLP's."""
+        return self.moe_config.moe_intermediate_size or self.ffn_hidden_size
+
+    @property
+    def shared_ffn_size(self) -> int:
+        """Hidden width of the shared experts' MLP (0: none)."""
+        m = self.moe_config
+        if m.shared_expert_intermediate_size:
+            return m.shared_expert_intermediate_size
+        return m.shared_expert_num * self.expert_ffn_size
+
+    def validate(self, cfg) -> None:
+        super().validate(cfg)
+        validate_moe(self, cfg.parallel_config.pipeline_stage)
