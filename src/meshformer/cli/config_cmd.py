@@ -56,7 +56,7 @@ def _family_fields(name: str):
 
 
 class _PerType:
-    """A default that depends on the type: printed as `LlamaConfig: False, Qwen2Config: True`."""
+    """A default that depends on the type: printed as `TypeA: False, TypeB: True`."""
 
     def __init__(self, defaults: dict) -> None:
         self.defaults = defaults

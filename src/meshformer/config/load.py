@@ -328,12 +328,13 @@ def model_config_class(data: Any, path: tuple = MODEL_PATH) -> type:
     return cls
 
 
-def _elsewhere(path: tuple, key: str, value: Any = None, check_value: bool = False) -> list[str]:
-    """The model types whose config class has field `key` at `path` (under model.model_config), and, with
-    `check_value`, allows `value` there: what a refusal names when a field belongs to another family."""
+def _elsewhere(path: tuple, key: str, value: Any = None, check_value: bool = False) -> dict[str, Any]:
+    """{model type: its field} for the types whose config class has field `key` at `path` (under
+    model.model_config), and, with `check_value`, allows `value` there: what a refusal names when a field belongs to
+    another family."""
     if path[:2] != MODEL_PATH:
-        return []
-    found = []
+        return {}
+    found = {}
     for name, cls in MODEL_CONFIGS.items():
         f = None
         for part in (*path[2:], key):
@@ -345,8 +346,25 @@ def _elsewhere(path: tuple, key: str, value: Any = None, check_value: bool = Fal
             cls = typing.get_type_hints(cls)[f.name]
         choices = f.metadata.get("choices") if f is not None else None
         if f is not None and (not check_value or (choices and value in choices)):
-            found.append(name)
+            found[name] = f
     return found
+
+
+def _foreign_default(path: tuple, key: str, value: Any, data: dict, cls: type) -> bool:
+    """True for a key no field of this type has but another family's has, at that field's default: a config.yaml
+    written before each family owned its fields lists every family's fields at their defaults, which change
+    nothing and are skipped, as they were ignored then. Such a key at another value is refused naming the types
+    that have it; False for a key no family has."""
+    owners = _elsewhere(path, key)
+    if not owners:
+        return False
+    if any(not is_dataclass_type(f.type) and value == field_default(f) for f in owners.values()):
+        return True
+    mine = f", not {data['type'] if 'type' in data else cls.type}" if path == MODEL_PATH else ""
+    raise UserError(
+        f"{_dot(path, key)}={_show(value)}: a field of the types {', '.join(owners)}{mine}: choose one of them or "
+        f"remove {key}"
+    )
 
 
 def from_dict(cls: type, data: Any, path: tuple, notices: list[str]) -> Any:
@@ -373,13 +391,8 @@ def from_dict(cls: type, data: Any, path: tuple, notices: list[str]) -> Any:
                     raise UserError(f"{_dot(path, key)}={_show(value)}: {why}")
                 notices.append(f"{_dot(path, key)} is a MindSpore-only setting; meshformer ignores it")
                 continue
-            owners = _elsewhere(path, key)
-            if owners:
-                mine = f", not {data['type'] if 'type' in data else cls.type}" if path == MODEL_PATH else ""
-                raise UserError(
-                    f"{_dot(path, key)}={_show(value)}: a field of the types {', '.join(owners)}{mine}: choose one "
-                    f"of them or remove {key}"
-                )
+            if _foreign_default(path, key, value, data, cls):
+                continue
             guess = difflib.get_close_matches(key, list(fields) + list(alias_of), n=1, cutoff=0.6)
             hint = f"did you mean {_dot(path, guess[0])!r}?" if guess else f"valid fields: {', '.join(sorted(fields))}"
             raise UserError(f"unknown config key {_dot(path, key)!r}: {hint}")

@@ -84,7 +84,7 @@ def causal_attention(
 
 def sdpa(q, k, v, mask=None, scale=None, is_causal: bool = False) -> torch.Tensor:
     """torch's SDPA (grouped heads when k has fewer), values narrower than the queries padded on a CPU: its flash
-    kernel wants them as wide, and for narrower ones (latent attention's v_head_dim) SDPA would run its math kernel,
+    kernel wants them as wide, and for narrower ones (latent attention's values) SDPA would run its math kernel,
     which keeps the [s x keys] probabilities for backward."""
     width = v.shape[-1]
     if q.device.type == "cpu" and width < q.shape[-1]:

@@ -17,7 +17,6 @@ from torch import nn
 
 from meshformer.config.schema import ModelConfig
 from meshformer.dtypes import DTYPE
-from meshformer.models.llama import RMSNorm, RopeTables
 from meshformer.models.lora import lora_init
 
 # Wrapper prefixes that activation checkpointing and torch.compile add to parameter names.
@@ -67,9 +66,7 @@ def init_weights(model: nn.Module, seed: int, dtype: torch.dtype | None = None) 
         else:
             p.copy_(full)
     for m in model.modules():
-        if isinstance(m, RopeTables):
-            m.reset_parameters()
-        elif hasattr(m, "reset_buffers"):  # persistent buffers that are state, not weights (an MoE routing bias)
+        if hasattr(m, "reset_buffers"):  # buffers that are state, not weights: rotary tables, an MoE routing bias
             m.reset_buffers()
 
 
@@ -98,4 +95,4 @@ def create_model(mc: ModelConfig, seed: int, device: torch.device | str = "cpu")
     return materialize(model, device, seed, DTYPE[mc.param_init_type])
 
 
-__all__ = ["build_model", "materialize", "init_weights", "create_model", "canonical_name", "RMSNorm"]
+__all__ = ["build_model", "materialize", "init_weights", "create_model", "canonical_name"]

@@ -103,6 +103,11 @@ class RopeTables(nn.Module):
         self.register_buffer("cos", torch.empty(mc.seq_length, width, dtype=self.dtype), persistent=False)
         self.register_buffer("sin", torch.empty(mc.seq_length, width, dtype=self.dtype), persistent=False)
 
+    def reset_buffers(self) -> None:
+        """Fill the tables (after the model moved off the meta device; models/init.py calls every module's
+        `reset_buffers`)."""
+        self.reset_parameters()
+
     def reset_parameters(self) -> None:
         """Fill the tables (after the model moved off the meta device)."""
         cos, sin = self.cos_sin(self.config, torch.arange(self.config.seq_length, device=self.cos.device), self.dtype)
