@@ -140,7 +140,9 @@ def test_latent_attention_gathers_only_its_latents_and_equals_the_whole_row(monk
 
     monkeypatch.setattr(ContextParallel, "gather", gather)
     here = chunk_positions(harness.SEQ, cp, rank)
-    apply_context_parallel(torch.nn.Sequential(block), env)
+    part = torch.nn.Sequential(block)
+    part.config = mc  # a model part names its config: its family says where cp installs (ModelFamily.cp_attention)
+    apply_context_parallel(part, env)
     positions, layout = ContextParallel(env).layout(harness.SEQ // cp, None)
     got = block(x[:, here], rope, positions=positions, mask=layout)
     assert sent == [2 * (harness.SEQ // cp) * (mc.kv_lora_rank + mc.qk_rope_head_dim) * 4]
