@@ -13,7 +13,14 @@ import json
 from collections.abc import Iterator
 from pathlib import Path
 
-from meshformer.data.sources import ARROW_SUFFIXES, is_dataset_dir, iter_json_array, iter_rows, txt_documents
+from meshformer.data.sources import (
+    ARROW_SUFFIXES,
+    TooDeep,
+    is_dataset_dir,
+    iter_json_array,
+    iter_rows,
+    txt_documents,
+)
 from meshformer.errors import UserError
 
 SUFFIXES = (".txt", ".jsonl", ".json", *ARROW_SUFFIXES)
@@ -68,12 +75,14 @@ def _streamed_array(path: Path) -> Iterator[tuple[str, int, object]]:
                 return False
     try:
         for i, v in iter_json_array(path):
-            yield f"{path}[{i}]", i, v
+            yield f"{path}[{i}]", i, checked_record(f"{path}[{i}]", v)
+    except TooDeep as e:
+        raise too_deep(f"{path}[{e.index}]") from None
     except ValueError as e:
         if small:
             try:
                 json.loads(_read_text(path))
-            except ValueError:
+            except (ValueError, RecursionError):
                 return False
         raise UserError(
             f"{path}: not a valid JSON array ({e}; a file cut short ends like this): fix it, or give one record per "
@@ -103,6 +112,8 @@ def iter_records(path: Path) -> Iterator[tuple[str, int, object]]:
             return  # no records: the caller says there is nothing to read
         try:
             data = json.loads(text)
+        except RecursionError:
+            raise too_deep(str(path)) from None
         except json.JSONDecodeError as e:
             if text.lstrip().startswith("[") or e.msg != "Extra data":
                 raise UserError(
@@ -111,7 +122,7 @@ def iter_records(path: Path) -> Iterator[tuple[str, int, object]]:
                 ) from None
             data = None  # several values one after another: JSON Lines under a .json name
         if isinstance(data, list):
-            yield from ((f"{path}[{i}]", i, v) for i, v in enumerate(data))
+            yield from ((f"{path}[{i}]", i, checked_record(f"{path}[{i}]", v)) for i, v in enumerate(data))
             return
         if data is not None:
             raise UserError(
@@ -125,14 +136,43 @@ def iter_records(path: Path) -> Iterator[tuple[str, int, object]]:
                 if "\0" in line:
                     raise _binary(path, lineno)
                 try:
-                    yield f"{path}:{lineno}", lineno, json.loads(line)
+                    record = json.loads(line)
+                except RecursionError:
+                    raise too_deep(f"{path}:{lineno}") from None
                 except json.JSONDecodeError as e:
                     cut = " (the file may be cut short)" if not line.endswith("\n") else ""
                     raise UserError(
                         f"{path}:{lineno}: not valid JSON ({e.msg}: column {e.colno}){cut}: fix or delete that line"
                     ) from None
+                yield f"{path}:{lineno}", lineno, checked_record(f"{path}:{lineno}", record, line)
     except UnicodeDecodeError as e:
         raise UserError(f"{path}: not UTF-8 text (bad byte at offset {e.start}): is this the right file?") from None
+
+
+def too_deep(where: str) -> UserError:
+    return UserError(
+        f"{where}: JSON nested too deeply to read (thousands of levels, beyond Python's parser): flatten or delete "
+        f"that record"
+    )
+
+
+def checked_record(where: str, record, raw: str | None = None):
+    """record, refused when a string in it holds a lone surrogate: valid JSON (an escape such as \\ud800 without
+    its pair) but no text, which neither UTF-8 nor a tokenizer takes. `raw`, the record's JSON text, skips the
+    check when it has no \\u escape of a surrogate."""
+    if raw is not None and "\\ud" not in raw.lower():
+        return record
+    try:
+        json.dumps(record, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise UserError(
+            f"{where}: a string holds \\u{ord(e.object[e.start]):04x}, a lone surrogate (half of a UTF-16 pair), "
+            f"which is not text: fix the escape (a pair such as \\ud83d\\ude00, or the character itself) or "
+            f"delete that record"
+        ) from None
+    except RecursionError:
+        raise too_deep(where) from None
+    return record
 
 
 def json_type(v) -> str:
