@@ -138,7 +138,11 @@ def test_token_ids_beyond_the_vocabulary(dataset_copy, tmp_path, capsys):
 
 @pytest.mark.parametrize(
     "state, needle",
-    [("{oops", "trainer_state.json is unreadable"), ("[3]", "has no valid step"), ('{"step": -4}', "got -4")],
+    [
+        ("{oops", "trainer_state.json is missing or unreadable"),
+        ("[3]", "trainer_state.json is not a JSON object"),
+        ('{"step": -4}', "got -4"),
+    ],
 )
 def test_malformed_trainer_state(tiny_dataset, tmp_path, capsys, state, needle):
     out = tmp_path / "run"

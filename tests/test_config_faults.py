@@ -249,7 +249,10 @@ def test_eval_refuses_a_window_below_one_token(checkpoint, tmp_path, capsys, fla
 
 @pytest.mark.parametrize(
     "flags, needle",
-    [(["--temperature", "nan"], "--temperature nan: must be >= 0"), (["--seed", str(2**64)], "must be in [0, 2**64)")],
+    [
+        (["--temperature", "nan"], "--temperature nan: must be a number >= 0"),
+        (["--seed", str(2**64)], "must be in [0, 2**64)"),
+    ],
 )
 def test_generate_refuses_what_torch_would_crash_on(checkpoint, capsys, flags, needle):
     fails(capsys, ["generate", "--checkpoint", str(checkpoint), "--prompt", "To be", *flags], needle)

@@ -107,11 +107,13 @@ def test_resume_over_a_run_whose_checkpoints_are_all_unusable_refuses(tiny_datas
 @pytest.mark.parametrize("mode", ["plain", "auto over a damaged run"])
 def test_overwrite_moves_aside_only_meshformers_files(tiny_dataset, old_run, capsys, mode):
     resume = {}
-    if mode != "plain":  # asked for explicitly, overwrite replaces even checkpoints that might be repaired
+    if mode != "plain":  # overwrite replaces the run, but damaged checkpoints (maybe repairable) are set aside
         _damage(old_run)
         resume = {"resume_training": "auto"}
     users = user_sums(old_run)
     old_own = {k: v for k, v in checksums(old_run).items() if k not in users}
+    damaged = {k: v for k, v in old_own.items() if mode != "plain" and k.startswith("checkpoint/")}
+    old_own = {k: v for k, v in old_own.items() if k not in damaged}
     moved_at_replace: dict[str, str] = {}
     real_saved = RunDir.saved
 
@@ -129,6 +131,8 @@ def test_overwrite_moves_aside_only_meshformers_files(tiny_dataset, old_run, cap
     assert not list(old_run.glob(".replaced-*"))
     assert [c.name for c in store.list_checkpoints(old_run)] == ["step_00000002"] and steps(old_run) == [1, 2]
     assert "other files stay" in capsys.readouterr().out
+    aside = {k.replace(".damaged/", "/"): v for k, v in checksums(old_run).items() if ".damaged/" in k}
+    assert aside == damaged  # still there, byte for byte, beside the new run's checkpoint
 
 
 def test_deleting_the_replaced_run_deletes_only_what_was_moved(tiny_dataset, old_run, capsys):

@@ -26,10 +26,11 @@ from pathlib import Path
 
 import torch
 import yaml
-from safetensors.torch import save_file
 
-from meshformer.checkpoint.hf_config import hf_config_from_model, model_config_from_hf
+from meshformer.checkpoint.hf_config import check_import_sizes, hf_config_from_model, model_config_from_hf
 from meshformer.checkpoint.hf_dir import read_hf_dir, to_hf_names, to_meshformer_names, write_hf_dir
+from meshformer.checkpoint.manifest import MANIFEST
+from meshformer.checkpoint.safetensors_file import save_safetensors
 from meshformer.checkpoint.saver import save_checkpoint
 from meshformer.checkpoint.source import SourceModel
 from meshformer.checkpoint.store import resolve_checkpoint, shape_problems
@@ -80,6 +81,23 @@ def read_source(src: str | Path) -> SourceModel:
     raise UserError(f"{src}: not a Hugging Face model directory (with config.json) or a .gguf file")
 
 
+def check_output_place(out: Path) -> None:
+    """Before anything is loaded: an --output must go into a writable directory (not under a file, which would
+    end in a traceback after the model is read), and never inside a checkpoint (an added directory there is
+    nothing its manifest vouches for)."""
+    for parent in out.absolute().parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise UserError(f"--output {out}: {parent} is a file, not a directory: choose another --output")
+            if not os.access(parent, os.W_OK | os.X_OK):
+                raise UserError(f"--output {out}: {parent} is not writable: choose another --output")
+            break
+    marks = (MANIFEST, "trainer_state.json")  # a damaged checkpoint may have lost one
+    inside = next((p for p in (out.resolve(), *out.resolve().parents) if any((p / m).is_file() for m in marks)), None)
+    if inside is not None:
+        raise UserError(f"--output {out} lies inside the checkpoint {inside}: write it outside the checkpoint")
+
+
 def _fresh_output(output: str | Path) -> tuple[Path, Path]:
     out = Path(output)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
@@ -107,8 +125,9 @@ def source_to_model(source: SourceModel) -> tuple[MeshformerConfig, dict[str, to
     mc = cfg.model.model_config
     from meshformer.models import build_model, family_of
 
-    expected = {k: tuple(v.shape) for k, v in build_model(mc).state_dict().items()}  # meta tensors: no memory
     tensors = to_meshformer_names(source.tensors, mc.tie_word_embeddings, family_of(mc))
+    check_import_sizes(mc, source.config, tensors, where)  # a size typo: refused before a layer is built
+    expected = {k: tuple(v.shape) for k, v in build_model(mc).state_dict().items()}  # meta tensors: no memory
     problems = shape_problems({k: tuple(v.shape) for k, v in tensors.items()}, expected)
     if problems:
         raise UserError(
@@ -231,28 +250,33 @@ def export_model(
     merge_lora: bool = False,
     gguf_type: str | None = None,
     base: str | None = None,
+    tokenizer_note: bool = True,
 ) -> tuple[Path, Path, str]:
     """Write the Hugging Face directory of a checkpoint (or a run's newest good one): the full model, or for a
     LoRA run its adapter in PEFT's format (the full model with the adapters merged in: `merge_lora`); with
     `gguf_type` (F32, F16, BF16, Q8_0) one GGUF file at `output` instead (adapters merged). An adapter names
     `base` (default: the base the checkpoint records) as its base_model_name_or_path; with neither it is null.
-    Returns (output, checkpoint, "model" | "adapter" | "gguf")."""
+    A checkpoint without a tokenizer exports its weights alone, saying so (`tokenizer_note`) on stderr; GGUF,
+    which holds its tokenizer, refuses it. Returns (output, checkpoint, "model" | "adapter" | "gguf")."""
     from meshformer.checkpoint.inference import load_for_inference
     from meshformer.models import family_of
     from meshformer.models.lora import lora_wanted, merged_state_dict, peft_adapter
 
     ckpt = resolve_checkpoint(checkpoint)
+    check_output_place(Path(output))
     if gguf_type is not None:
         return _export_gguf(ckpt, Path(output), dtype, gguf_type), ckpt, "gguf"
     out, tmp = _fresh_output(output)
-    model, cfg, tokenizer = load_for_inference(ckpt)
+    model, cfg, tokenizer = load_for_inference(ckpt, need_tokenizer=False)
     hf_cfg, tok_json, tok_cfg = _hf_side(ckpt, model, cfg, tokenizer, dtype)
+    if tokenizer is None and tokenizer_note:
+        print(f"note: {missing_tokenizer_note(ckpt, out)}", file=sys.stderr)
     adapter = lora_wanted(cfg) and not merge_lora
     tmp.mkdir(parents=True)
     try:
         if adapter:
             adapter_config, tensors = peft_adapter(model, cfg, base=base or recorded_base(ckpt))
-            save_file({k: v.to(DTYPE[dtype]).contiguous() for k, v in tensors.items()}, str(tmp / ADAPTER_WEIGHTS))
+            save_safetensors({k: v.to(DTYPE[dtype]).contiguous() for k, v in tensors.items()}, tmp / ADAPTER_WEIGHTS)
             (tmp / "adapter_config.json").write_text(json.dumps(adapter_config, indent=2))
             write_hf_dir(tmp, hf_cfg, {}, tok_json, tok_cfg, shard_bytes=shard_bytes, weights=False)
         else:
@@ -266,11 +290,22 @@ def export_model(
     return _finish(tmp, out), ckpt, "adapter" if adapter else "model"
 
 
-def _hf_side(ckpt: Path, model, cfg, tokenizer, dtype: str) -> tuple[dict, str, dict]:
-    """(config.json, tokenizer.json text, tokenizer_config) of a checkpoint as export writes them."""
+def missing_tokenizer_note(ckpt: Path, out: Path) -> str:
+    """What export and merge say once when the checkpoint has no tokenizer to write beside the weights."""
+    return (
+        f"{ckpt} has no tokenizer.json (its run trained on data that carries none): {out} holds the weights and "
+        f"config.json only; copy the tokenizer.json the data was made with into it"
+    )
+
+
+def _hf_side(ckpt: Path, model, cfg, tokenizer, dtype: str) -> tuple[dict, str | None, dict]:
+    """(config.json, tokenizer.json text, tokenizer_config) of a checkpoint as export writes them (no tokenizer
+    files for a checkpoint without one: its bos/eos ids then come from the model config alone)."""
     from meshformer.data.tokenizer import special_token_ids
 
     hf_cfg = hf_config_from_model(cfg.model.model_config, dtype)
+    if tokenizer is None:
+        return hf_cfg, None, {}
     ids = special_token_ids(tokenizer, ckpt)
     for key, kind in (("bos_token_id", "bos"), ("eos_token_id", "eos")):
         if hf_cfg[key] is None:
@@ -308,7 +343,8 @@ def export_mindspore(checkpoint: str | Path, output: str | Path, dtype: str = "f
 
     ckpt = resolve_checkpoint(checkpoint)
     out = new_output(output)  # before loading anything
-    model, cfg, _ = load_for_inference(ckpt)
+    check_output_place(out)
+    model, cfg, _ = load_for_inference(ckpt, need_tokenizer=False)  # a MindSpore checkpoint holds no tokenizer
     state = merged_state_dict(model) if lora_wanted(cfg) else model.state_dict()
     tensors = mindspore_tensors(state, cfg.model.model_config, fused, DTYPE[dtype])
     return write_mindspore_checkpoint(out, tensors), ckpt

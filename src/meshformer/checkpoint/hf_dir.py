@@ -19,9 +19,9 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
 
 from meshformer.checkpoint.contents import outside
+from meshformer.checkpoint.safetensors_file import save_safetensors
 from meshformer.checkpoint.source import SourceModel
 from meshformer.errors import UserError, first_line
 
@@ -196,7 +196,7 @@ def write_hf_dir(
         else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     )
     for shard, name in zip(shards, names):
-        save_file(shard, str(out / name), metadata={"format": "pt"})
+        save_safetensors(shard, out / name, metadata={"format": "pt"})
     if len(shards) > 1:
         index = {
             "metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())},

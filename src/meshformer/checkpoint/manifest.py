@@ -66,7 +66,7 @@ def verify(directory: Path, full: bool = True) -> str | None:
     """
     directory = Path(directory)
     if not directory.is_dir():
-        return f"{directory} is not a directory"
+        return f"{directory} {'is not a directory' if directory.exists() else 'does not exist'}"
     m = read_manifest(directory)
     if m is None:
         what = "malformed" if (directory / MANIFEST).exists() else "missing"
@@ -91,7 +91,12 @@ def verify(directory: Path, full: bool = True) -> str | None:
 
 def content_problem(directory: Path, listed: set[str]) -> str | None:
     """Why the files of a checkpoint whose manifest holds are still not a checkpoint (a forged manifest, a shard
-    dropped in beside the listed ones), or None."""
+    dropped in beside the listed ones, no weights, no valid step), or None."""
+    if not any(rel.startswith("model/") and rel.endswith(".safetensors") for rel in listed):
+        return "model/ holds no weights (no .safetensors shard in the manifest)"
+    why = trainer_state_problem(directory)
+    if why is not None:
+        return why
     for sub in ("model", "optim"):
         d = directory / sub
         if not d.is_dir():
@@ -108,4 +113,18 @@ def content_problem(directory: Path, listed: set[str]) -> str | None:
             got = read_header(directory / rel)
             if isinstance(got, str):
                 return f"{rel} {got}"
+    return None
+
+
+def trainer_state_problem(directory: Path) -> str | None:
+    """What is wrong with trainer_state.json (every save writes one: its step is where a resume starts), or None."""
+    try:
+        state = json.loads((directory / "trainer_state.json").read_text())
+    except (OSError, ValueError) as e:
+        return f"trainer_state.json is missing or unreadable ({getattr(e, 'strerror', None) or e})"
+    if not isinstance(state, dict):
+        return f"trainer_state.json is not a JSON object (a {type(state).__name__})"
+    step = state.get("step")
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        return f"trainer_state.json has no valid step (got {step!r})"
     return None

@@ -331,9 +331,9 @@ def write_mindspore_checkpoint(path: str | Path, tensors: dict[str, torch.Tensor
     tmp = out.with_name(out.name + ".tmp-convert")
     try:
         if out.suffix == ".safetensors":
-            from safetensors.torch import save_file
+            from meshformer.checkpoint.safetensors_file import save_safetensors
 
-            save_file({k: t.detach().contiguous() for k, t in tensors.items()}, str(tmp), metadata={"format": "ms"})
+            save_safetensors({k: t.detach().contiguous() for k, t in tensors.items()}, tmp, metadata={"format": "ms"})
         else:
             with open(tmp, "wb") as f:
                 for name, t in tensors.items():

@@ -49,6 +49,7 @@ def names_of(mc):
 
 def read_mindspore_model(src: str | Path, config: str | Path | None) -> MindSporeModel:
     from meshformer.config.load import load_config
+    from meshformer.models.sizes import check_weights_fit
 
     p = Path(src)
     refuse_sharded(p)
@@ -60,10 +61,12 @@ def read_mindspore_model(src: str | Path, config: str | Path | None) -> MindSpor
     yaml_cfg = load_config(config, notices=[])  # MindSpore-only keys are expected here: no notices
     mc = yaml_cfg.model.model_config
     names = names_of(mc)
+    check_weights_fit(mc, "cpu", f"{config}: model.model_config")  # a size typo: refused before anything is read
     tok_json, tok_cfg = _tokenizer(yaml_cfg, Path(config))
     ck = read_mindspore_checkpoint(p)
     tensors = names.from_mindspore(ck.tensors, mc, str(p))
     if mc.tie_word_embeddings:
+        _check_tied_head(tensors, names, p, Path(config))
         tensors.pop("lm_head.weight", None)  # a tied model's head is its embedding
     _check_shapes(tensors, mc, names, p, Path(config))
     cfg = MeshformerConfig()
@@ -109,6 +112,19 @@ def _tokenizer(cfg: MeshformerConfig, config: Path) -> tuple[str, dict]:
         text, side = read_tokenizer_files(tok.parent)
         return text or "", side
     return tok.read_text(encoding="utf-8"), {}
+
+
+def _check_tied_head(tensors: dict[str, torch.Tensor], names, src: Path, config: Path) -> None:
+    """A YAML that ties the head to the embedding over a checkpoint with a head of its own would drop that head
+    (the model's output would change without a word): refused, unless the head is the embedding itself."""
+    head, embedding = tensors.get("lm_head.weight"), tensors.get("embed_tokens.weight")
+    if head is None or (embedding is not None and head.shape == embedding.shape and torch.equal(head, embedding)):
+        return
+    raise UserError(
+        f"{config}: model_config.tie_word_embeddings is true, but {src} holds its own output head "
+        f"{names.name_of('lm_head.weight')} (not equal to {names.name_of('embed_tokens.weight')}), which tying "
+        f"would drop: set tie_word_embeddings: false in the YAML"
+    )
 
 
 def _check_shapes(tensors: dict[str, torch.Tensor], mc, names, src: Path, config: Path) -> None:

@@ -105,6 +105,23 @@ def resolve_checkpoint(path: str | Path, notes: list[str] | None = None) -> Path
     )
 
 
+DAMAGED = ".damaged"  # `step_N.damaged`: a checkpoint that failed verification, set aside (never deleted)
+
+
+def set_aside(ckpt: Path) -> Path:
+    """Rename a damaged `step_N` to `step_N.damaged` (`.damaged-2`, ... when taken) and return where it went.
+
+    Set aside, a checkpoint that failed verification is no longer a `step_N`: a save of that step cannot replace
+    it, pruning neither counts nor deletes it, a replacing run does not move it, and resume does not verify it
+    again. Its files stay as they are, for repair (a lost manifest.json, one bad shard among good ones)."""
+    target, n = ckpt.with_name(ckpt.name + DAMAGED), 1
+    while target.exists() or target.is_symlink():
+        n += 1
+        target = ckpt.with_name(f"{ckpt.name}{DAMAGED}-{n}")
+    ckpt.rename(target)
+    return target
+
+
 def clean_leftovers(output_dir: str | Path) -> list[Path]:
     """Remove `step_N.tmp` / `step_N.old` directories that a killed save left behind (names only saves create).
     A `step_N.old` without its `step_N` is that step's one complete copy (a save killed between the two renames

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 from pathlib import Path
 
 import torch
@@ -14,6 +15,7 @@ import yaml
 from meshformer.checkpoint import store
 from meshformer.checkpoint.contents import read_header
 from meshformer.checkpoint.manifest import read_manifest, verify
+from meshformer.checkpoint.safetensors_file import save_safetensors
 from meshformer.config.load import load_yaml_text
 from meshformer.errors import UserError
 
@@ -36,6 +38,7 @@ def info(ckpt: Path) -> dict:
     out: dict = {"path": str(ckpt), "status": verify(ckpt, full=False) or "complete (sizes match the manifest)"}
     try:
         state = json.loads((ckpt / "trainer_state.json").read_text())
+        state = state if isinstance(state, dict) else {}  # a list or a number: verify names it (status)
         out.update({k: state.get(k) for k in ("step", "global_batch", "seed", "seq_length", "layout", "finite")})
     except (OSError, ValueError):
         out["step"] = None
@@ -105,7 +108,7 @@ def merge(ckpt: Path, output: Path, overwrite: bool = False, with_optimizer: boo
 
     Built under a temporary name and renamed: an existing `output` is replaced only with `overwrite`, only when
     an earlier merge wrote it, and only once the new one is complete."""
-    from meshformer.checkpoint.convert import export_model
+    from meshformer.checkpoint.convert import check_output_place, export_model, missing_tokenizer_note
     from meshformer.config.load import load_config
 
     if output.suffix == ".safetensors":
@@ -116,6 +119,7 @@ def merge(ckpt: Path, output: Path, overwrite: bool = False, with_optimizer: boo
     if output.exists() and not (overwrite and (output / MERGE_INFO).is_file()):
         hint = "pass --overwrite to replace it" if not overwrite else "--overwrite replaces only a merge's output"
         raise UserError(f"--output={str(output)!r} already exists: {hint}, or choose another path")
+    check_output_place(output)
     dtype = load_config(ckpt / "config.yaml").model.model_config.param_init_type
     output.parent.mkdir(parents=True, exist_ok=True)
     tmp = output.with_name(f".{output.name}.tmp-merge-{os.getpid()}")
@@ -124,7 +128,9 @@ def merge(ckpt: Path, output: Path, overwrite: bool = False, with_optimizer: boo
     for leftover in (tmp, old):
         shutil.rmtree(leftover, ignore_errors=True)
     try:
-        export_model(ckpt, tmp, dtype=dtype, merge_lora=True)
+        export_model(ckpt, tmp, dtype=dtype, merge_lora=True, tokenizer_note=False)
+        if not (tmp / "tokenizer.json").exists():
+            print(f"note: {missing_tokenizer_note(ckpt, output)}", file=sys.stderr)
         n_optim = _write_optimizer(ckpt, tmp / OPTIMIZER_FILE) if with_optimizer else 0
         state = json.loads((ckpt / "trainer_state.json").read_text())
         info = {"source": str(ckpt), "step": state.get("step"), "dtype": dtype, "optimizer_tensors": n_optim}
@@ -152,8 +158,6 @@ def merge(ckpt: Path, output: Path, overwrite: bool = False, with_optimizer: boo
 
 def _write_optimizer(ckpt: Path, where: Path) -> int:
     """The checkpoint's optimizer tensors, full, renamed to the weights' Hugging Face names."""
-    from safetensors.torch import save_file
-
     from meshformer.checkpoint.hf_dir import to_hf_names
     from meshformer.config.load import load_config
     from meshformer.models import family_of
@@ -175,5 +179,5 @@ def _write_optimizer(ckpt: Path, where: Path) -> int:
             t = t.expand(mc.moe_config.expert_num)
         for name, part in to_hf_names({param: t}, family, mc).items():
             out[f"state.{name}.{stat}"] = part.clone() if repeat else part.contiguous()
-    save_file(out, str(where), metadata={"format": "pt", "source": str(ckpt)})
+    save_safetensors(out, where, metadata={"format": "pt", "source": str(ckpt)})
     return len(out)

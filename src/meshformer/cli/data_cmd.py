@@ -14,6 +14,10 @@ import json
 
 from meshformer.errors import UserError
 
+# Sample k is in epoch k // samples_per_epoch, whose order is seeded with seed * 7919 + epoch (data/dataset.py
+# SampleOrder): beyond 2**63 samples that seed would overflow the generator's 64 bits.
+MAX_SAMPLES = 2**63
+
 
 def add_parser(sub) -> None:
     p = sub.add_parser(
@@ -61,7 +65,7 @@ class _View:
     def __init__(self, args):
         from meshformer.config.load import load_config
         from meshformer.data.dataset import GlobalBatches, SampleOrder
-        from meshformer.data.protocol import shuffles
+        from meshformer.data.protocol import check_tokenizer, shuffles
         from meshformer.data.registry import open_dataset_for
         from meshformer.parallel.dims import ParallelDims
         from meshformer.train.batch_plan import BatchPlan
@@ -76,12 +80,18 @@ class _View:
         if self.validation:
             from meshformer.train.data import eval_data_loader
 
-            _, dl = eval_data_loader(cfg)  # what the trainer's validation reads
+            own, dl = eval_data_loader(cfg)  # what the trainer's validation reads
             split, section = cfg.eval_dataset.split or "validation", "eval_dataset"
         else:
             dl, split, section = train_dl, cfg.train_dataset.split or "train", "train_dataset"
         self.section, self.split, self.dl = section, split, dl
         self.ds = open_dataset_for(dl, split, self.mc.seq_length, f"{section}.data_loader")
+        if self.validation:
+            from meshformer.train.data import check_own_validation
+
+            check_own_validation(own, self.ds, train_dl)
+        # what the trainer checks (train/data.py): the data's vocabulary and token ids against the model's
+        check_tokenizer(self.ds, None, self.mc.vocab_size, f"{section}.data_loader")
         self.shuffle = False if self.validation else shuffles(self.ds, dl.shuffle)
         self.global_batch = min(self.plan.global_batch, len(self.ds))
         self.batches = GlobalBatches(SampleOrder(len(self.ds), cfg.seed, self.shuffle), self.global_batch)
@@ -105,8 +115,11 @@ class _View:
 def run_samples(args) -> int:
     from meshformer.data.dataset import batch_inputs
 
-    if args.start < 0 or args.count < 1:
-        raise UserError(f"--start {args.start} --count {args.count}: give --start >= 0 and --count >= 1")
+    if args.start < 0 or args.count < 1 or args.start + args.count > MAX_SAMPLES:
+        raise UserError(
+            f"--start {args.start} --count {args.count}: the run's samples are numbered 0 to 2**63 - 1: give "
+            f"--start >= 0, --count >= 1 and --start + --count <= 2**63"
+        )
     view = _View(args)
     tok = None if args.json else view.tokenizer()
     ignore = view.mc.ignore_token_id

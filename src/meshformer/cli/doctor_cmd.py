@@ -4,7 +4,10 @@ impossible target); 2: the config itself is invalid."""
 
 from __future__ import annotations
 
+import math
+
 from meshformer.cli import plan_cmd
+from meshformer.errors import UserError
 
 
 def add_parser(sub) -> None:
@@ -26,6 +29,9 @@ def run(args) -> int:
 
     from meshformer.planner.doctor import diagnose
 
+    target = args.target_samples_per_s
+    if target is not None and not (math.isfinite(target) and target > 0):
+        raise UserError(f"--target-samples-per-s {target}: give the samples per second the run must reach (> 0)")
     args.json = False
     _, plan = plan_cmd.build(args)
     plan_cmd.print_plan(plan)

@@ -40,7 +40,14 @@ def run(args) -> int:
     except UnicodeDecodeError:
         raise UserError(f"--input {src}: not UTF-8 text") from None
     model, cfg, tok = load_for_inference(args.checkpoint)
-    seq = args.seq_length if args.seq_length is not None else cfg.model.model_config.seq_length
+    mc = cfg.model.model_config
+    seq = args.seq_length if args.seq_length is not None else mc.seq_length
+    positions = mc.max_position_embedding or mc.seq_length
+    if args.seq_length is not None and seq > positions:  # rotary positions the model never saw
+        raise UserError(
+            f"--seq-length {seq}: the model's positions end at {positions} (model_config.max_position_embedding, "
+            f"else seq_length): give --seq-length {positions} or less, or leave it out ({mc.seq_length})"
+        )
     ids = tok.encode(text).ids
     if len(ids) < 2:
         raise UserError(f"--input {src}: fewer than two tokens of text: nothing to predict")

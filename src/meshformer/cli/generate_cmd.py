@@ -14,6 +14,7 @@ import sys
 import time
 from pathlib import Path
 
+from meshformer.cli.devices import device_from_flag
 from meshformer.errors import UserError
 
 
@@ -107,8 +108,8 @@ def check_args(args: argparse.Namespace) -> None:
         raise UserError("--prompt: give the text to continue (repeat --prompt, or --prompts-file, for several)")
     if args.max_new_tokens < 1:
         raise UserError(f"--max-new-tokens {args.max_new_tokens}: give at least 1")
-    if not args.temperature >= 0:  # also nan, which torch.multinomial refuses with a traceback
-        raise UserError(f"--temperature {args.temperature}: must be >= 0 (0 means greedy)")
+    if not 0 <= args.temperature < float("inf"):  # nan: torch.multinomial's traceback; inf: uniform noise
+        raise UserError(f"--temperature {args.temperature}: must be a number >= 0 (0 means greedy)")
     if not 0 < args.top_p <= 1:
         raise UserError(f"--top-p {args.top_p}: must be in (0, 1]; 1 turns nucleus sampling off")
     if args.top_k < 0:
@@ -182,12 +183,12 @@ def run(args: argparse.Namespace) -> int:
     import torch  # here, not at module level: every `meshformer` command imports this module
 
     check_args(args)
+    device = device_from_flag(args.device)  # before loading: the devices here, not torch's error, if it is not one
     from meshformer import checkpoint  # looked up at call time so tests can substitute the loader
     from meshformer.cli import generate_chat
 
     messages = generate_chat.read_messages(args.messages) if args.messages is not None else None
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    model, cfg, tokenizer = checkpoint.load_for_inference(args.checkpoint, device=device)
+    model, cfg, tokenizer = checkpoint.load_for_inference(args.checkpoint, device=str(device))
     mc = cfg.model.model_config
     check_cache_fits(args.max_new_tokens, max(len(args.prompt), 1), model)
     bos, eos = special_ids(tokenizer, mc)

@@ -4,6 +4,7 @@ memory per pipeline stage and predicted throughput of a config, before anything 
 from __future__ import annotations
 
 import json
+import math
 
 from meshformer.errors import UserError
 
@@ -47,20 +48,26 @@ def build(args):
     from meshformer.config.load import load_config
     from meshformer.parallel.dims import ParallelDims
     from meshformer.planner.accelerators import find_accelerator
+    from meshformer.planner.fits import check_plannable
     from meshformer.planner.plan import make_plan
     from meshformer.train.batch_plan import BatchPlan
+    from meshformer.train.finetune import apply_finetune_base
 
+    if args.devices is not None and args.devices < 1:  # checked first: 0 must not mean "the layout's product"
+        raise UserError(f"--devices {args.devices}: give a device count of at least 1, or leave it out")
+    if args.device_memory is not None and not (math.isfinite(args.device_memory) and args.device_memory > 0):
+        raise UserError(f"--device-memory {args.device_memory}: give the device's memory in GB (a number > 0)")
     cfg = load_config(args.config, getattr(args, "overrides", []))
+    apply_finetune_base(cfg)  # a fine-tune plans load_checkpoint's model, not the schema's default
     pc = cfg.parallel_config
     devices = args.devices or pc.data_parallel * pc.model_parallel * pc.pipeline_stage * pc.context_parallel
     if args.nodes < 1 or devices % args.nodes:
         raise UserError(f"--nodes {args.nodes}: must be >= 1 and divide the {devices} devices")
-    if args.device_memory is not None and args.device_memory <= 0:
-        raise UserError(f"--device-memory {args.device_memory}: give the device's memory in GB (> 0)")
     dims = ParallelDims.from_config(cfg, devices)
     batch = BatchPlan.from_config(cfg, dims)
     acc = find_accelerator(args.accelerator)
     mem = args.device_memory * 1e9 if args.device_memory else None
+    check_plannable(cfg, dims, mem or acc.memory_bytes, acc.name)  # a size typo: refused before any layer is built
     return cfg, make_plan(cfg, dims, acc, batch.micro_batch, batch.n_micro, args.nodes, mem)
 
 

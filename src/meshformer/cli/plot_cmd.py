@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+# The image is drawn in memory, 4 bytes a pixel: 10000 x 10000 is 400 MB (matplotlib refuses 2**23 only).
+MIN_PIXELS, MAX_PIXELS = 200, 10000
+
 
 def add_parser(sub) -> None:
     p = sub.add_parser(
@@ -23,8 +26,8 @@ def run(args) -> int:
     out = Path(args.output)
     if out.suffix.lower() != ".png":
         raise UserError(f"--output {out}: give a .png file name")
-    if args.width < 200 or args.height < 200:
-        raise UserError("--width/--height: give at least 200 pixels each")
+    if not (MIN_PIXELS <= args.width <= MAX_PIXELS and MIN_PIXELS <= args.height <= MAX_PIXELS):
+        raise UserError(f"--width {args.width} --height {args.height}: give {MIN_PIXELS} to {MAX_PIXELS} pixels each")
     plot_runs([Path(r) for r in args.runs], out, args.width, args.height)
     print(out)
     return 0

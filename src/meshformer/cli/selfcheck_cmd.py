@@ -39,6 +39,8 @@ def run(args) -> int:
     from meshformer.errors import UserError
     from meshformer.parallel.env import init_parallel, local_device, start_process_group
 
+    if not 0 < args.timeout < float("inf"):  # nan or <= 0: timedelta's traceback, or checks that cannot pass
+        raise UserError(f"--timeout {args.timeout}: give the seconds each check may take (a number > 0)")
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if "RANK" not in os.environ:
         print(
@@ -50,8 +52,10 @@ def run(args) -> int:
     env = None
     if args.config is not None:
         from meshformer.config.load import load_config
+        from meshformer.train.finetune import apply_finetune_base
 
         cfg = load_config(args.config, args.overrides)
+        apply_finetune_base(cfg)  # a fine-tune's layout is checked against load_checkpoint's model
         cfg.comm_timeout = max(1, int(args.timeout))
         env = init_parallel(cfg)  # validates the layout against WORLD_SIZE first
     else:

@@ -13,7 +13,12 @@ class MegatronBlendConfig:
     """`data_loader.config` of a BlendedMegatronDatasetDataLoader: MindSpore Transformers' GPTDataset settings, read as
     Megatron-LM's GPTDatasetConfig reads them (data/megatron/)."""
 
-    seed: int = setting(1234, "Random seed of Megatron's document and sample shuffles (its random_seed).")
+    seed: int = setting(
+        1234,
+        "Random seed of Megatron's document and sample shuffles (its random_seed; 0 to 2**32 - 1).",
+        ge=0,
+        le=2**32 - 1,
+    )
     seq_length: int | None = setting(
         None, "Tokens per sample (default: model.model_config.seq_length, which it must equal).", gt=0
     )

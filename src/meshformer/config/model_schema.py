@@ -141,6 +141,17 @@ class ModelConfig:
         """Layer `index` has a Mixture-of-Experts block instead of a dense MLP (never, for the base)."""
         return False
 
+    @property
+    def moe_layer_count(self) -> int:
+        """How many layers have routed experts (none, for the base)."""
+        return 0
+
+    @property
+    def heads_are_dim_per_head(self) -> bool:
+        """Every attention head is dim_per_head wide (grouped-query attention); a family whose heads have widths of
+        their own fields (latent attention) says False and checks those widths itself."""
+        return True
+
     def validate(self, cfg) -> None:
         """The family's own cross-field rules (one UserError line each); `cfg` is the whole MeshformerConfig. The
         base checks nothing: config/validate.py checks what every decoder shares."""

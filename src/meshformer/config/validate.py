@@ -33,13 +33,8 @@ def stages_per_rank(cfg: MeshformerConfig) -> int:
 
 def validate_config(cfg: MeshformerConfig) -> None:
     mc = cfg.model.model_config
-    if mc.head_dim is None and mc.hidden_size % mc.num_heads:
-        raise UserError(
-            f"model.model_config.hidden_size={mc.hidden_size} is not divisible by num_heads={mc.num_heads}: "
-            f"set head_dim, or pick num_heads from {_divisors(mc.hidden_size)[:12]}"
-        )
-    if mc.dim_per_head % 2:
-        raise UserError(f"model.model_config: head dimension {mc.dim_per_head} must be even for rotary embeddings")
+    if mc.heads_are_dim_per_head:  # else the family's attention has widths of its own, checked in its validate
+        check_head_width(mc)
     if mc.num_heads % mc.num_kv_heads:
         raise UserError(
             f"model.model_config.n_kv_heads={mc.n_kv_heads} must divide num_heads={mc.num_heads}: "
@@ -97,6 +92,25 @@ def validate_config(cfg: MeshformerConfig) -> None:
     for i, cb in enumerate(cfg.callbacks):
         if cb.type == "CheckpointMonitor" and cb.keep_checkpoint_max < 1:
             raise UserError(f"callbacks.{i}.keep_checkpoint_max must be at least 1")
+
+
+def check_head_width(mc: ModelConfig) -> None:
+    """The per-head width of grouped-query attention: whole, and even (rotary embeddings turn pairs of channels)."""
+    if mc.head_dim is None and mc.hidden_size % mc.num_heads:
+        raise UserError(
+            f"model.model_config.hidden_size={mc.hidden_size} is not divisible by num_heads={mc.num_heads}: "
+            f"set head_dim, or pick num_heads from {_divisors(mc.hidden_size)[:12]}"
+        )
+    if mc.dim_per_head % 2:
+        field = (
+            f"head_dim={mc.head_dim}"
+            if mc.head_dim is not None
+            else f"hidden_size / num_heads = {mc.hidden_size} / {mc.num_heads} = {mc.dim_per_head} (the head width)"
+        )
+        raise UserError(
+            f"model.model_config.{field} must be even for rotary embeddings (they turn pairs of channels): set an "
+            f"even head_dim{'' if mc.head_dim is not None else ', or another num_heads'}"
+        )
 
 
 # MindSpore select_recompute dict keys name cells and operators (`feed_forward\.mul`). Every one of them is

@@ -170,6 +170,7 @@ def _tokenizer_of(ds) -> None:
     ds.tokenizer_hash = str(ds.meta.get("tokenizer_hash"))
     ds.vocab_size = ds.meta["vocab_size"]
     ds.tokenizer_file = ds.dir / "tokenizer.json"
+    ds.source = str(ds.dir)
 
 
 class SFTDataset:

@@ -13,7 +13,14 @@ import json
 from collections.abc import Iterator
 from pathlib import Path
 
-from meshformer.data.sources import ARROW_SUFFIXES, is_dataset_dir, iter_json_array, iter_rows, txt_documents
+from meshformer.data.sources import (
+    ARROW_SUFFIXES,
+    TooDeep,
+    is_dataset_dir,
+    iter_json_array,
+    iter_rows,
+    txt_documents,
+)
 from meshformer.errors import UserError
 
 SUFFIXES = (".txt", ".jsonl", ".json", *ARROW_SUFFIXES)
@@ -68,12 +75,14 @@ def _streamed_array(path: Path) -> Iterator[tuple[str, int, object]]:
                 return False
     try:
         for i, v in iter_json_array(path):
-            yield f"{path}[{i}]", i, v
+            yield f"{path}[{i}]", i, checked_record(f"{path}[{i}]", v)
+    except TooDeep as e:
+        raise too_deep(f"{path}[{e.index}]") from None
     except ValueError as e:
         if small:
             try:
                 json.loads(_read_text(path))
-            except ValueError:
+            except (ValueError, RecursionError):
                 return False
         raise UserError(
             f"{path}: not a valid JSON array ({e}; a file cut short ends like this): fix it, or give one record per "
@@ -103,6 +112,8 @@ def iter_records(path: Path) -> Iterator[tuple[str, int, object]]:
             return  # no records: the caller says there is nothing to read
         try:
             data = json.loads(text)
+        except RecursionError:
+            raise too_deep(str(path)) from None
         except json.JSONDecodeError as e:
             if text.lstrip().startswith("[") or e.msg != "Extra data":
                 raise UserError(
@@ -111,9 +122,10 @@ def iter_records(path: Path) -> Iterator[tuple[str, int, object]]:
                 ) from None
             data = None  # several values one after another: JSON Lines under a .json name
         if isinstance(data, list):
-            yield from ((f"{path}[{i}]", i, v) for i, v in enumerate(data))
+            yield from ((f"{path}[{i}]", i, checked_record(f"{path}[{i}]", v)) for i, v in enumerate(data))
             return
         if data is not None:
+            check_depth(str(path), data)
             raise UserError(
                 f"{path}: a JSON {json_type(data)}, not an array of records: write [{{...}}, {{...}}] (or .jsonl)"
             )
@@ -125,14 +137,72 @@ def iter_records(path: Path) -> Iterator[tuple[str, int, object]]:
                 if "\0" in line:
                     raise _binary(path, lineno)
                 try:
-                    yield f"{path}:{lineno}", lineno, json.loads(line)
+                    record = json.loads(line)
+                except RecursionError:
+                    raise too_deep(f"{path}:{lineno}") from None
                 except json.JSONDecodeError as e:
                     cut = " (the file may be cut short)" if not line.endswith("\n") else ""
                     raise UserError(
                         f"{path}:{lineno}: not valid JSON ({e.msg}: column {e.colno}){cut}: fix or delete that line"
                     ) from None
+                yield f"{path}:{lineno}", lineno, checked_record(f"{path}:{lineno}", record, line)
     except UnicodeDecodeError as e:
         raise UserError(f"{path}: not UTF-8 text (bad byte at offset {e.start}): is this the right file?") from None
+
+
+# Deeper than any real record. Python's JSON parser recurses once per level, so a deeper record raises
+# RecursionError at the interpreter's recursion limit, a limit libraries raise (MindSpore's import sets it far
+# higher): the depth is checked itself, so the same file is refused in every process.
+MAX_JSON_DEPTH = 512
+
+
+def too_deep(where: str) -> UserError:
+    return UserError(
+        f"{where}: JSON nested too deeply (more than {MAX_JSON_DEPTH} levels of arrays and objects): flatten or "
+        f"delete that record"
+    )
+
+
+def nesting_depth(value) -> int:
+    """Levels of arrays and objects in a parsed JSON value, counted without recursion."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        v, depth = stack.pop()
+        children = v.values() if isinstance(v, dict) else v if isinstance(v, list) else None
+        if children is not None:
+            deepest = max(deepest, depth)
+            stack.extend((c, depth + 1) for c in children if isinstance(c, (dict, list)))
+    return deepest
+
+
+def check_depth(where: str, record, raw: str | None = None):
+    """record, refused when nested deeper than MAX_JSON_DEPTH; `raw`, its JSON text, skips the walk when it holds
+    too few brackets to be that deep."""
+    if raw is not None and raw.count("[") + raw.count("{") <= MAX_JSON_DEPTH:
+        return record
+    if nesting_depth(record) > MAX_JSON_DEPTH:
+        raise too_deep(where)
+    return record
+
+
+def checked_record(where: str, record, raw: str | None = None):
+    """record, refused when a string in it holds a lone surrogate: valid JSON (an escape such as \\ud800 without
+    its pair) but no text, which neither UTF-8 nor a tokenizer takes. `raw`, the record's JSON text, skips the
+    check when it has no \\u escape of a surrogate."""
+    check_depth(where, record, raw)
+    if raw is not None and "\\ud" not in raw.lower():
+        return record
+    try:
+        json.dumps(record, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise UserError(
+            f"{where}: a string holds \\u{ord(e.object[e.start]):04x}, a lone surrogate (half of a UTF-16 pair), "
+            f"which is not text: fix the escape (a pair such as \\ud83d\\ude00, or the character itself) or "
+            f"delete that record"
+        ) from None
+    except RecursionError:
+        raise too_deep(where) from None
+    return record
 
 
 def json_type(v) -> str:

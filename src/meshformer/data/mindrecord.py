@@ -234,6 +234,12 @@ class MindRecordDataset:
     def __len__(self) -> int:
         return int(self._ends[-1]) if len(self._ends) else 0
 
+    @property
+    def source(self) -> str:
+        """Its files, for errors: the first and how many more."""
+        more = len(self.shards) - 1
+        return f"{self.shards[0].path}" + (f" and {more} more files" if more else "") if self.shards else "no files"
+
     def locate(self, i: int) -> tuple[Shard, int]:
         if not 0 <= i < len(self):
             raise IndexError(i)

@@ -10,7 +10,9 @@ samples. A format with a position of its own (a stream) would also return that p
 A format that knows the tokenizer its tokens were made with sets `tokenizer_hash` (sha256 of tokenizer.json) and
 `vocab_size`, so training refuses a different tokenizer or a smaller model vocabulary; `tokenizer_file` names the
 tokenizer.json it carries, the default when the config names none. All three may be None (an in-memory format):
-then the config's tokenizer, if any, is used unchecked, and without one the run trains and saves no tokenizer.
+then the config's tokenizer, if any, is used unchecked, and without one the run trains and saves no tokenizer. A
+format configured with token ids of its own (a Megatron blend's eod) may set `special_ids`, {dotted field: id},
+checked to lie inside the vocabulary.
 
 A format whose index order already is its training order (a Megatron blend: its own tool shuffled it) sets
 `ordered = True`; the trainer then reads samples 0, 1, 2, ... unless `data_loader.shuffle` is set true.
@@ -29,6 +31,7 @@ import torch
 from meshformer.errors import UserError
 
 FINGERPRINT_SAMPLES = 16  # samples hashed, spread evenly over the dataset: cheap for any size, any format
+TARGET_CHECK_SAMPLES = 64  # samples read, spread evenly, to find one that trains a target (check_trains_targets)
 
 
 @dataclass(frozen=True)
@@ -43,7 +46,8 @@ class Dataset(Protocol):
     tokenizer_hash: str | None
     vocab_size: int | None
     tokenizer_file: Path | None
-    # optional: ordered (bool, default False), load_state_dict(state), describe() -> dict (`meshformer data stats`)
+    # optional: ordered (bool, default False), load_state_dict(state), describe() -> dict (`meshformer data stats`),
+    # special_ids ({dotted field: token id}, check_tokenizer), source (str: its files, for errors)
 
     def __len__(self) -> int: ...
 
@@ -55,12 +59,41 @@ class Dataset(Protocol):
 def fingerprint(ds: Dataset) -> str:
     """sha256 over the sample count and FINGERPRINT_SAMPLES evenly spread samples (tokens, mask, documents)."""
     h = hashlib.sha256(str(len(ds)).encode())
-    n = len(ds)
-    for i in sorted({k * (n - 1) // max(FINGERPRINT_SAMPLES - 1, 1) for k in range(FINGERPRINT_SAMPLES)}):
+    for i in spread(len(ds), FINGERPRINT_SAMPLES):
         s = ds.sample(i)
         for t in (s.tokens, s.loss_mask, s.documents):
             h.update(b"-" if t is None else t.to(torch.int64).numpy().tobytes())
     return h.hexdigest()
+
+
+def spread(n: int, count: int) -> list[int]:
+    """Up to `count` sample ids spread evenly over 0 .. n - 1, first and last included."""
+    return sorted({k * (n - 1) // max(count - 1, 1) for k in range(count)}) if n else []
+
+
+def _trains_a_target(s: Sample) -> bool:
+    """Whether any label of the sample counts in the loss (data/dataset.py batch_inputs' rule)."""
+    targets = torch.ones(len(s.tokens) - 1, dtype=torch.bool) if s.loss_mask is None else s.loss_mask[1:]
+    if s.documents is not None:
+        targets = targets & (s.documents[1:] == s.documents[:-1])
+    return bool(targets.any())
+
+
+def check_trains_targets(ds: Dataset, field: str) -> None:
+    """Refuse, before training, data whose samples train no target (every label ignored): each step's loss would be
+    0/0, skipped as non-finite until the run stops. TARGET_CHECK_SAMPLES samples spread over the data are read (all
+    of a smaller dataset); one with a target passes."""
+    n = len(ds)
+    ids = spread(n, TARGET_CHECK_SAMPLES)
+    if not ids or any(_trains_a_target(ds.sample(i)) for i in ids):
+        return
+    which = f"all {n} samples" if len(ids) == n else f"{len(ids)} samples read, spread over its {n}"
+    source = getattr(ds, "source", None)
+    raise UserError(
+        f"{field}{f' ({source})' if source else ''}: no target is trained: every label is ignored ({which}), so "
+        f"every step's loss would be 0/0: check the labels (-100 only where the loss must not count), the loss "
+        f"mask, or a seq_length that cuts the answers off"
+    )
 
 
 def shuffles(ds: Dataset, shuffle: bool | None) -> bool:
@@ -98,3 +131,10 @@ def check_tokenizer(ds: Dataset, tokenizer_hash: str | None, model_vocab_size: i
             f"model.model_config.vocab_size={model_vocab_size} is smaller than the dataset's tokenizer "
             f"vocabulary ({ds.vocab_size}): set vocab_size >= {ds.vocab_size}"
         )
+    vocab = min(model_vocab_size, ds.vocab_size or model_vocab_size)
+    for name, token in getattr(ds, "special_ids", {}).items():
+        if token >= vocab:  # no token equals it: its masks would silently never apply
+            raise UserError(
+                f"{name}={token} is outside the vocabulary ({vocab} ids: 0 to {vocab - 1}): set it to the id the "
+                f"data's tokenizer gives that token"
+            )

@@ -62,6 +62,11 @@ def _open_mind_dataset(dl, split: str, seq_length: int, field: str) -> Dataset:
     MindRecord files have no splits: every split reads all their rows (eval_dataset names its own files)."""
     from meshformer.data import mindrecord  # imported at the bottom too; here for the names
 
+    if dl.sizes or dl.config != type(dl.config)():  # a Megatron block under the wrong type would be ignored
+        raise UserError(
+            f"{field}.sizes/config are a Megatron blend's settings, read only with type: "
+            f"BlendedMegatronDatasetDataLoader: set that type, or remove them for {dl.type}"
+        )
     files = mindrecord.dataset_files(dl, field)
     if files is None:
         return open_dataset(dl.dataset_dir, split, seq_length, f"{field}.dataset_dir", dl.packing)

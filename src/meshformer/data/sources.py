@@ -144,9 +144,18 @@ def txt_documents(path: Path, text_split: str) -> Iterator[tuple[str, Iterator[s
         index += 1
 
 
+class TooDeep(ValueError):
+    """Element `index` of a JSON array nests deeper than Python's parser recurses."""
+
+    def __init__(self, index: int):
+        super().__init__(f"element {index} nested too deeply")
+        self.index = index
+
+
 def iter_json_array(path: Path, buffer: int = READ_CHARS) -> Iterator[tuple[int, object]]:
     """(index, element) of a .json file holding one array, parsed element by element. A damaged file raises
-    ValueError (the caller words the error); the buffer grows to hold the largest element."""
+    ValueError (the caller words the error; TooDeep for an element nested too deeply to parse); the buffer grows to
+    hold the largest element."""
     decoder = json.JSONDecoder()
     text, pos, eof, index = "", 0, False, 0
     lines = iter_lines(path, buffer)
@@ -189,6 +198,8 @@ def iter_json_array(path: Path, buffer: int = READ_CHARS) -> Iterator[tuple[int,
                 except json.JSONDecodeError:
                     if eof or not more(want):
                         raise ValueError("damaged element") from None
+                except RecursionError:
+                    raise TooDeep(index) from None
                 want *= 2  # an element larger than the buffer: read twice as much before parsing it again
             yield index, value
             index, pos = index + 1, end

@@ -12,14 +12,13 @@ even under full recompute (not counted under activation swap, which moves them t
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from meshformer.config.schema import MeshformerConfig
 from meshformer.dtypes import DTYPE
 from meshformer.errors import UserError
 from meshformer.models.registry import family_of
+from meshformer.models.sizes import device_memory_bytes, size_fields, weights_bytes
 from meshformer.parallel.dims import ParallelDims
 
 
@@ -45,16 +44,6 @@ def activation_bytes_floor(cfg: MeshformerConfig, dims: ParallelDims) -> int:
     return BatchPlan.from_config(cfg, dims).micro_batch * mc.seq_length * mc.hidden_size * item * layers // shard
 
 
-def device_memory_bytes(device: torch.device) -> int | None:
-    """Total memory of the device (a GPU), or of the machine for the CPU; None when unknown."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).total_memory
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return None
-
-
 def check_fits(cfg: MeshformerConfig, dims: ParallelDims, device: torch.device) -> None:
     need, have = state_bytes_floor(cfg, dims), device_memory_bytes(device)
     if have is None:
@@ -75,8 +64,28 @@ def check_fits(cfg: MeshformerConfig, dims: ParallelDims, device: torch.device) 
     if need <= have:
         return
     raise UserError(
-        f"model.model_config: {family_of(mc).param_count(mc):,} parameters (hidden_size={mc.hidden_size}, num_layers="
-        f"{mc.num_layers}, vocab_size={mc.vocab_size}) need at least {need / gib:,.1f} GiB per rank for weights, "
-        f"gradients and AdamW states, but the {device.type} has {have / gib:,.1f} GiB: check those sizes for a typo, "
-        f"or split the model further (model_parallel, pipeline_stage, optimizer_shard)"
+        f"model.model_config: {family_of(mc).param_count(mc):,} parameters ({size_fields(mc)}) need at least "
+        f"{need / gib:,.1f} GiB per rank for weights, gradients and AdamW states, but the {device.type} has "
+        f"{have / gib:,.1f} GiB: check those sizes for a typo, or split the model further (model_parallel, "
+        "pipeline_stage, optimizer_shard)"
+    )
+
+
+def check_plannable(cfg: MeshformerConfig, dims: ParallelDims, device_memory: float, accelerator: str) -> None:
+    """Refuse a plan whose weights alone exceed the memory of all its devices together: no layout of them holds
+    the model, and planning it runs every layer on fake tensors (minutes and gigabytes for a num_layers typo).
+    Only the weights: a plan whose gradients and moments do not fit is still worth showing (the doctor's advice).
+    Under cpu_offload the weights live in host memory, whose size the planner is not told: not checked."""
+    if cfg.parallel_config.cpu_offload:
+        return
+    mc = cfg.model.model_config
+    need, have = weights_bytes(mc), device_memory * dims.world_size
+    if need <= have:
+        return
+    gib = 1 << 30
+    raise UserError(
+        f"model.model_config: {family_of(mc).param_count(mc):,} parameters ({size_fields(mc)}) need "
+        f"{need / gib:,.1f} GiB for the weights alone ({mc.param_init_type}), more than the {dims.world_size} x "
+        f"{accelerator} hold together ({have / gib:,.1f} GiB): check those sizes for a typo, or plan for more "
+        f"devices (--devices)"
     )

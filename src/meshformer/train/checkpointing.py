@@ -15,7 +15,7 @@ from meshformer.checkpoint.saver import CheckpointSaver
 from meshformer.config.schema import MeshformerConfig
 from meshformer.errors import RunFailed, UserError
 from meshformer.parallel import ParallelEnv
-from meshformer.train.run_dir import RunDir, on_rank0
+from meshformer.train.run_dir import RunDir, on_rank0, set_aside_line
 from meshformer.train.spikes import MAX_ROLLBACKS, SpikeDetector
 
 
@@ -109,7 +109,14 @@ class Checkpointing:
                 f"{MAX_ROLLBACKS} rollbacks: the run stopped; lower learning_rate or raise loss_spike_factor"
             )
         self.saver.wait()  # the newest checkpoint may still be being written
-        ckpt = on_rank0(self.env, lambda: str(store.newest_good(self.out)[0] or ""))
+
+        def newest_good():  # newer damaged ones are set aside: the replay's saves of their steps must not replace them
+            good, skipped = store.newest_good(self.out)
+            return str(good or ""), [set_aside_line(c, why) for c, why in skipped]
+
+        ckpt, notes = on_rank0(self.env, newest_good)
+        for note in notes:
+            self.log(note)
         if not ckpt:
             raise RunFailed(
                 f"step {spike_step}: loss {loss:.4g} is {ratio:.1f}x the recent mean {mean:.4g} but "

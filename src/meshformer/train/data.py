@@ -24,7 +24,7 @@ from meshformer.config.data_schema import DataLoaderConfig
 from meshformer.config.schema import MeshformerConfig
 from meshformer.data.dataset import GlobalBatches, SampleOrder, pinned, to_device
 from meshformer.data.prefetch import Prefetcher
-from meshformer.data.protocol import check_same_data, check_tokenizer, shuffles
+from meshformer.data.protocol import check_same_data, check_tokenizer, check_trains_targets, shuffles
 from meshformer.data.registry import open_dataset_for
 from meshformer.data.tokenizer import load_tokenizer, tokenizer_hash, vocab_size
 from meshformer.errors import UserError
@@ -60,6 +60,7 @@ class TrainingData:
             )
         self._open_tokenizer()
         check_tokenizer(self.train_ds, self.tokenizer_hash, self.mc.vocab_size, field)
+        check_trains_targets(self.train_ds, "train_dataset.data_loader")
         ev = cfg.eval_dataset
         self.eval_ds = None
         self.eval_batches = None
@@ -68,14 +69,10 @@ class TrainingData:
             own, eval_dl = eval_data_loader(cfg)
             split = ev.split or "validation"
             self.eval_ds = open_dataset_for(eval_dl, split, self.mc.seq_length, "eval_dataset.data_loader")
-            if not own and not getattr(self.eval_ds, "has_splits", True):
-                raise UserError(
-                    f"eval_dataset.data_loader: the training data ({dl.type} files) has no validation split, so "
-                    f"validation would read the training samples: give eval_dataset.data_loader.dataset_dir (or "
-                    f"dataset_files) files of its own, or set do_eval: false"
-                )
+            check_own_validation(own, self.eval_ds, dl)
             eval_field = "eval_dataset.data_loader.dataset_dir"
             check_tokenizer(self.eval_ds, self.tokenizer_hash, self.mc.vocab_size, eval_field)
+            check_trains_targets(self.eval_ds, "eval_dataset.data_loader")
             if ev.data_loader.tokenizer:  # the run has one tokenizer: the training data's
                 tok = configured_tokenizer(
                     ev.data_loader.tokenizer, "eval_dataset.data_loader.tokenizer", self.mc.vocab_size
@@ -136,8 +133,10 @@ class TrainingData:
         else:
             self.tokenizer_bytes, self.tokenizer_side_files, self.tokenizer_hash = None, {}, None
             self.log(
-                f"note: train_dataset.data_loader.type {dl.type} has no tokenizer and none is configured: "
-                f"checkpoints hold no tokenizer.json (set processor.tokenizer.tokenizer_file for generate/export)"
+                f"warning: this run will have no tokenizer: train_dataset.data_loader.type {dl.type} carries none "
+                f"and none is configured, so its checkpoints hold no tokenizer.json (generate and eval refuse them; "
+                f"export writes the weights alone): set processor.tokenizer.tokenizer_file to the one the data was "
+                f"made with"
             )
             return
         self.tokenizer_bytes = tok.read_bytes()
@@ -206,6 +205,17 @@ def eval_data_loader(cfg: MeshformerConfig) -> tuple[bool, DataLoaderConfig]:
     dl, ev = cfg.train_dataset.data_loader, cfg.eval_dataset.data_loader
     own = _names_data(ev) or ev.type not in (dl.type, DataLoaderConfig.type)
     return own, ev if own else dataclasses.replace(dl, packing=ev.packing)
+
+
+def check_own_validation(own: bool, eval_ds, train_dl: DataLoaderConfig) -> None:
+    """Refuse validation that would read the training samples: eval_dataset names no data of its own (`own` from
+    eval_data_loader) and the training data's format has no validation split (MindRecord files)."""
+    if not own and not getattr(eval_ds, "has_splits", True):
+        raise UserError(
+            f"eval_dataset.data_loader: the training data ({train_dl.type} files) has no validation split, so "
+            f"validation would read the training samples: give eval_dataset.data_loader.dataset_dir (or "
+            f"dataset_files) files of its own, or set do_eval: false"
+        )
 
 
 def _names_data(dl: DataLoaderConfig) -> bool:

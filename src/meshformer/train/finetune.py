@@ -16,6 +16,7 @@ import yaml
 from meshformer.config.load import from_dict, load_yaml_text
 from meshformer.config.model_schema import ModelConfig, RopeScalingConfig
 from meshformer.config.schema import MeshformerConfig
+from meshformer.config.validate import validate_config
 from meshformer.errors import UserError
 from meshformer.models.registry import family_of
 
@@ -56,7 +57,9 @@ def base_model_config(src: str) -> ModelConfig:
 
 
 def apply_finetune_base(cfg: MeshformerConfig) -> list[str]:
-    """Fill the model shape from load_checkpoint (run_mode: finetune); returns notices naming what was taken."""
+    """Fill the model shape from load_checkpoint (run_mode: finetune), then validate the whole config (load_config
+    leaves a fine-tune's to this: its layout can only be checked against the real model); returns notices naming
+    what was taken. Every command that uses a fine-tune's config calls it first."""
     if cfg.run_mode != "finetune":
         return []
     if not cfg.load_checkpoint:
@@ -66,6 +69,7 @@ def apply_finetune_base(cfg: MeshformerConfig) -> list[str]:
     mc = _as_class_of(cfg.model.model_config, base, given)
     cfg.model.model_config = mc
     taken = _take(mc, base, ("type", *SHAPE_FIELDS, *family_of(base).shape_fields), given)
+    validate_config(cfg)
     return (
         [
             f"run_mode finetune: model shape from {cfg.load_checkpoint} ({mc.type}, {mc.num_layers} layers, hidden "

@@ -12,6 +12,8 @@
   never restarts at step 0 over checkpoints that are all unusable, nor (`true`) over an existing metrics.jsonl:
   that needs overwrite_output_dir.
 - Leftovers of killed saves (`step_N.tmp`, `step_N.old`) are removed at start.
+- A checkpoint that fails verification is never deleted: before the first step (model built and loaded, like the
+  move above) it is renamed `step_N.damaged` (store.set_aside), out of reach of saves, pruning and replacement.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from meshformer.checkpoint import store
+from meshformer.checkpoint.manifest import verify
 from meshformer.errors import UserError
 from meshformer.observe.journal import SUMMARY
 
@@ -58,6 +61,7 @@ class RunDir:
         self._lock_fd: int | None = None
         self.aside: Path | None = None  # where the replaced run went, until the first save
         self.moved: list[str] = []  # what went there, relative to output_dir and to aside alike
+        self.damaged: dict[str, str] = {}  # rank 0: checkpoints resume skipped (verified in full) -> why
 
     # ---- locking ------------------------------------------------------------------------------------------
     def lock(self) -> None:
@@ -136,12 +140,14 @@ class RunDir:
         """
         if not mode:
             return None
-        if load_checkpoint and mode != "auto":
+        if load_checkpoint and mode != "auto" and Path(load_checkpoint).resolve() != self.out.resolve():
             return self.resolve(load_checkpoint)
 
         def pick():
             good, skipped = store.newest_good(self.out)
-            notes = [f"skipped checkpoint {c}: {why}" for c, why in skipped]
+            # said once, when they are set aside (set_aside_damaged); a refusal below names them itself
+            self.damaged = {str(c): why for c, why in skipped}
+            notes: list[str] = []
             if good is None and not overwrite:
                 # Checkpoints that are all unusable may still be repaired (intact shards, an earlier copy):
                 # starting over would move them aside and delete them after the first save.
@@ -168,6 +174,25 @@ class RunDir:
         if found is None:
             self.log(f"resume_training: no checkpoint in {self.out} yet; starting from step 0")
         return Path(found) if found else None
+
+    # ---- damaged checkpoints ------------------------------------------------------------------------------
+    def set_aside_damaged(self) -> None:
+        """Before the first step: rename every checkpoint of output_dir that fails verification to
+        `step_N.damaged`, one warning line each (where, and why), so that no save of that step, no pruning and no
+        replacement of the run can delete it. The ones resume skipped were verified in full; the others get the
+        quick check (manifest, sizes, shard headers: no hashing), as pruning does."""
+
+        def move():
+            notes = []
+            for ckpt in store.list_checkpoints(self.out):
+                why = self.damaged.get(str(ckpt)) or verify(ckpt, full=False)
+                if why is not None:
+                    notes.append(set_aside_line(ckpt, why))
+            self.damaged = {}
+            return notes
+
+        for note in on_rank0(self.env, move):
+            self.log(note)
 
     # ---- replacing an earlier run -------------------------------------------------------------------------
     def check_existing(self, resume_from: Path | None, overwrite: bool) -> bool:
@@ -243,6 +268,21 @@ class RunDir:
         else:
             self.log(f"deleted the replaced run {self.aside}")
         self.aside = None
+
+
+def set_aside_line(ckpt: Path, why: str) -> str:
+    """Set a damaged checkpoint aside (store.set_aside) and return the warning that says where it went and why."""
+    try:
+        where = store.set_aside(ckpt)
+    except OSError as e:
+        raise UserError(
+            f"checkpoint {ckpt} is damaged ({why}) and could not be set aside ({e.strerror or e}); nothing of it "
+            f"was changed: move it out of {ckpt.parent} yourself (it may be repairable), or make it writable"
+        ) from None
+    return (
+        f"warning: skipped checkpoint {ckpt}: {why}; it is set aside as {where} (kept for repair: no save, pruning "
+        f"or overwrite deletes it)"
+    )
 
 
 def own_files(out: Path, tensorboard_dir: str = "") -> list[str]:

@@ -170,6 +170,7 @@ class Trainer:
 
     # ---- the loop -----------------------------------------------------------------------------------------
     def train(self) -> dict:
+        self.run_dir.set_aside_damaged()  # only now, like the move below: a damaged checkpoint is never deleted
         if self._replaces_old_run:
             self.run_dir.replace_old(self.cfg.tensorboard.tensorboard_dir)  # only now: model built and loaded
         counts = (self.n_params, self.n_trainable, self.n_embedding)

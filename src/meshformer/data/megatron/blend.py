@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 import re
 from dataclasses import dataclass
 
@@ -21,6 +22,9 @@ from meshformer.errors import UserError
 
 SPLITS = ("train", "validation", "test")
 MID_LEVEL_SURPLUS = 0.005  # BlendedMegatronDatasetConfig.mid_level_dataset_surplus
+# blending_indices' peak per sample: the list of choices (8), the int16 index (2), the int64 sample index (8) and
+# _running_counts' int64 positions and numbering of one dataset (16)
+BYTES_PER_BLENDED_SAMPLE = 34
 
 
 @dataclass(frozen=True)
@@ -66,7 +70,15 @@ def parse_blend(entries: list, field: str) -> BlendSpec | None:
     if weights is not None:
         if any(not math.isfinite(w) or w <= 0 for w in weights):
             raise UserError(f"{field}: weights {weights} must be positive numbers (drop a dataset instead of 0)")
-    return BlendSpec(tuple(p.strip() for p in prefixes), None if weights is None else tuple(weights))
+    prefixes = tuple(p.strip() for p in prefixes)
+    seen: dict[str, str] = {}
+    for p in prefixes:
+        key = os.path.realpath(p)
+        if key in seen:  # Megatron would build it twice with one seed: every sample of it drawn twice
+            also = "" if seen[key] == p else f" (as {seen[key]!r})"
+            raise UserError(f"{field}: {p!r} is listed twice{also}: list each dataset once (add up its weights)")
+        seen[key] = p
+    return BlendSpec(prefixes, None if weights is None else tuple(weights))
 
 
 def normalize(weights) -> list[float]:
@@ -79,8 +91,14 @@ def split_matrix(split: str | None, field: str) -> list[tuple[float, float] | No
     """`"99,1,0"` -> [(0, 0.99), (0.99, 1.0), None]: Megatron's parse_and_normalize_split and
     convert_split_vector_to_split_matrix."""
     fix = "give the train, validation and test shares of every dataset, e.g. '99,1,0'"
+    text = "" if split is None else str(split)
+    # Megatron reads every run of digits and dots and skips the rest, so "1,nan,0" or "-1,2,0" would silently be
+    # other shares than written: only numbers and separators are read here.
+    stray = re.sub(r"[.0-9]+|[\s,:/]", "", text)
+    if stray:
+        raise UserError(f"{field}={split!r}: {stray!r} is not a share (shares are numbers >= 0): {fix}")
     try:
-        shares = [float(s) for s in re.findall(r"[.0-9]+", str(split))] if split is not None else []
+        shares = [float(s) for s in re.findall(r"[.0-9]+", text)]
     except ValueError:
         raise UserError(f"{field}={split!r}: {fix}") from None
     if not shares or len(shares) > len(SPLITS) or sum(shares) <= 0:

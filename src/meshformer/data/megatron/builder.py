@@ -3,13 +3,15 @@ BlendedMegatronDatasetBuilder builds it: which GPTDatasets, of how many samples 
 
 from __future__ import annotations
 
+import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
 from meshformer.data.megatron import blend
-from meshformer.data.megatron.gpt_dataset import GPTSettings, GPTSplit, sample_count, split_range
+from meshformer.data.megatron.gpt_dataset import GPTSettings, GPTSplit, build_bytes, sample_count, split_range
 from meshformer.data.megatron.indexed import IndexedFile
 from meshformer.errors import UserError
 
@@ -79,6 +81,7 @@ def build_split(cfg, req: SplitRequest) -> BlendedSplit:
         direct, where = len(spec.prefixes) == 1 and spec.weights is None, f"{req.field}.data_path"
     files = _open_files(spec, where)
     if direct:
+        _check_memory(files, [req.size], 0, bounds, req)
         return BlendedSplit([_gpt_split(files[0], bounds, req.size, req)], None)
     return _blend(files, spec, bounds, req)
 
@@ -115,6 +118,8 @@ def _blend(files: list[IndexedFile], spec: blend.BlendSpec, bounds, req: SplitRe
         size = req.size or sum(_epoch_samples(f, bounds, req) for f in files)
         target = blend.sizes_per_dataset(weights, size)
         asked = blend.sizes_per_dataset(weights, size, blend.MID_LEVEL_SURPLUS)
+    blended = sum(_epoch_samples(f, bounds, req) for f in files) if spec.weights is None else sum(target)
+    _check_memory(files, asked, blended, bounds, req)
     with ThreadPoolExecutor(max_workers=req.threads) as pool:
         datasets = list(pool.map(lambda fa: _gpt_split(fa[0], bounds, fa[1], req), zip(files, asked)))
     for f, ds in zip(files, datasets):
@@ -133,6 +138,42 @@ def _blend(files: list[IndexedFile], spec: blend.BlendSpec, bounds, req: SplitRe
     indices = blend.blending_indices(weights, size)
     _check_not_oversampled(datasets, indices[0], req)
     return BlendedSplit(datasets, weights, indices)
+
+
+def _check_memory(files: list[IndexedFile], asked: list, blended: int, bounds, req: SplitRequest) -> None:
+    """Refuse, in a second and before allocating anything, a split whose indices would not fit in the host's
+    memory: sizes of hundreds of millions of samples repeat a small dataset for millions of epochs, and the blend
+    index holds every sample."""
+    s = req.settings
+    need = blended * blend.BYTES_PER_BLENDED_SAMPLE
+    for f, n in zip(files, asked):
+        begin, end = split_range(bounds, len(f))
+        tokens = int(f.sequence_lengths[begin:end].sum(dtype=np.int64))
+        need += build_bytes(tokens, end - begin, n, s.seq_length, int(s.add_extra_token))
+    have = _host_memory_bytes()
+    if have is None or need <= have:
+        return
+    field = f"{req.field.removesuffix('.config')}.sizes[{req.index}]"
+    fewer = f"give at most about {req.size * have // need:,} samples" if req.size else "use a smaller dataset"
+    raise UserError(
+        f"{field}={req.size}: the {blend.SPLITS[req.index]} split's sample and blend indices would take about "
+        f"{need / 2**30:,.1f} GiB ({need:,} bytes), more than the {have / 2**30:,.1f} GiB of memory available: "
+        f"{fewer} (a typo?)"
+    )
+
+
+def _host_memory_bytes() -> int | None:
+    """The host memory available now (MemAvailable), else the machine's total; None when unknown."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
 
 
 def _check_not_oversampled(datasets: list[GPTSplit], dataset_index: np.ndarray, req: SplitRequest) -> None:

@@ -118,6 +118,17 @@ def _num_epochs(tokens_per_epoch: int, num_samples: int | None, seq: int, extra:
     return max(1, -(-(num_samples * seq + extra) // tokens_per_epoch))
 
 
+def build_bytes(tokens_per_epoch: int, documents: int, num_samples: int | None, seq: int, extra: int) -> int:
+    """About the host memory GPTSplit takes at its peak for these figures, worked out before allocating any of it:
+    per document-index entry its int32 id, its int32 and int64 lengths and its int64 start; per sample the shuffle
+    index and its concatenated copy."""
+    if tokens_per_epoch <= extra:
+        return 0  # GPTSplit refuses it
+    epochs = _num_epochs(tokens_per_epoch, num_samples, seq, extra)
+    samples = epochs * tokens_per_epoch // seq + 1
+    return documents * epochs * 24 + samples * 16
+
+
 def sample_count(total_tokens: int, seq: int, extra: int, drop_last: bool) -> int:
     """build_sample_idx's sample count; the partial-sample case divides in single precision, as helpers.cpp does."""
     if drop_last:

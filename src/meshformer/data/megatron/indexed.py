@@ -77,14 +77,13 @@ class IndexedFile:
 
     def _map_tokens(self, bin_: Path) -> np.ndarray:
         size, item = bin_.stat().st_size, self.dtype.itemsize
-        if len(self.sequence_lengths):
-            end = int(self.sequence_pointers[-1]) + int(self.sequence_lengths[-1]) * item
-            bad = self.sequence_pointers % item != 0
-            if end > size or bool(bad.any()) or int(self.sequence_pointers.min()) < 0:
-                raise UserError(
-                    f"{bin_}: truncated or damaged ({size} bytes; its .idx needs {end}): re-create the dataset "
-                    f"or copy the .bin again"
-                )
+        bad = _first_outside(self.sequence_pointers, self.sequence_lengths, item, size)
+        if bad is not None:
+            i, pointer, length = bad
+            raise UserError(
+                f"{bin_}: truncated or damaged ({size} bytes): its .idx puts sequence {i} ({length} tokens) at byte "
+                f"{pointer}, outside it: re-create the dataset or copy the .bin again"
+            )
         if size < item:
             return np.zeros(0, self.dtype)
         return np.memmap(bin_, dtype=self.dtype, mode="r", shape=(size // item,))
@@ -114,6 +113,22 @@ class IndexedFile:
         ends = np.cumsum(lengths)
         positions = np.arange(int(ends[-1]) if len(ends) else 0) + np.repeat(first - (ends - lengths), lengths)
         return self._tokens[positions].astype(np.int64)
+
+
+def _first_outside(pointers: np.ndarray, lengths: np.ndarray, item: int, size: int, chunk: int = 1 << 22):
+    """(i, pointer, length) of the first sequence that does not lie within the .bin's `size` bytes at an item
+    boundary, else None. Every sequence is checked (a damaged pointer in the middle would read past the map much
+    later, mid-training), in chunks, so a file of a hundred million sequences needs no copy of its index."""
+    for lo in range(0, len(pointers), chunk):
+        p = np.asarray(pointers[lo : lo + chunk])
+        n = np.asarray(lengths[lo : lo + chunk]).astype(np.int64)
+        # pointer > size first: a pointer near 2**63 would overflow when its length is added
+        bad = (p < 0) | (p > size) | (p % item != 0)
+        bad |= np.minimum(p, size) + n * item > size
+        if bad.any():
+            k = int(np.flatnonzero(bad)[0])
+            return lo + k, int(p[k]), int(n[k])
+    return None
 
 
 def _read_header(idx: Path) -> tuple[np.dtype, int, int]:

@@ -38,9 +38,10 @@ class MegatronBlendDataset:
 
     ordered = True
 
-    def __init__(self, split: BlendedSplit, cfg, split_name: str, tokenizer: Path | None):
+    def __init__(self, split: BlendedSplit, cfg, split_name: str, tokenizer: Path | None, field: str):
         self.split, self.split_name = split, split_name
         self.eod, self.pad = cfg.eod, _pad_id(cfg)
+        self.special_ids = {f"{field}.config.eod": cfg.eod} if cfg.eod >= 0 else {}
         self.eod_mask_loss = cfg.eod_mask_loss
         self.reset = cfg.reset_attention_mask and cfg.reset_position_ids
         self._settings = (cfg.seed, cfg.split, cfg.add_extra_token_to_sequence)
@@ -51,6 +52,11 @@ class MegatronBlendDataset:
 
     def __len__(self) -> int:
         return len(self.split)
+
+    @property
+    def source(self) -> str:
+        """Its datasets' prefixes, for errors."""
+        return ", ".join(d.file.prefix for d in self.split.datasets)
 
     def sample(self, i: int) -> Sample:
         if not 0 <= i < len(self.split):
@@ -132,6 +138,8 @@ def _check_config(dl, split: str, seq_length: int, field: str) -> None:
             f"{cfg.reset_position_ids}: meshformer restarts attention and positions together at eod, "
             f"set both or neither"
         )
+    if cfg.eod < -1:
+        raise UserError(f"{where}.eod={cfg.eod}: give the data's end-of-document token id, or -1 for none")
     if cfg.eod < 0 and (cfg.eod_mask_loss or cfg.reset_attention_mask):
         raise UserError(
             f"{where}.eod is not set (-1) but eod_mask_loss/reset_attention_mask need it: set config.eod to the "
@@ -152,10 +160,16 @@ def _sizes(dl, field: str) -> list[int | None]:
 
 
 def _tokenizer_beside(split: BlendedSplit, field: str) -> Path | None:
-    """tokenizer.json beside every prefix (the same one), else None."""
+    """tokenizer.json beside every prefix (the same one), else None (none beside any; beside only some: refused)."""
     found = {Path(d.file.prefix).parent / "tokenizer.json" for d in split.datasets}
-    if not all(f.is_file() for f in found):
+    missing = sorted(f for f in found if not f.is_file())
+    if len(missing) == len(found):
         return None
+    if missing:  # the datasets without one may come from another tokenizer: nothing could tell
+        raise UserError(
+            f"{field}.config.data_path: {missing[0]} is missing but {min(found - set(missing))} exists: a "
+            f"blend needs data made with one tokenizer: copy that tokenizer.json beside every dataset"
+        )
     hashes = {hashlib.sha256(f.read_bytes()).hexdigest(): f for f in found}
     if len(hashes) > 1:
         raise UserError(
@@ -179,7 +193,7 @@ def open_megatron_blend(dl, split: str, seq_length: int, field: str) -> Megatron
         index, _sizes(dl, field)[index], settings, _pad_id(cfg), cfg.num_dataset_builder_threads, f"{field}.config"
     )
     built = build_split(cfg, req)
-    return MegatronBlendDataset(built, cfg, split, _tokenizer_beside(built, field))
+    return MegatronBlendDataset(built, cfg, split, _tokenizer_beside(built, field), field)
 
 
 register_dataset_format("BlendedMegatronDatasetDataLoader", open_megatron_blend)

@@ -60,10 +60,20 @@ class DeepseekConfig(MoeModelConfig):
         """Per-head width of queries and keys under latent attention (no-rope part + rotary part)."""
         return self.qk_nope_head_dim + self.qk_rope_head_dim
 
+    @property
+    def heads_are_dim_per_head(self) -> bool:
+        return False  # q/k heads are qk_nope_head_dim + qk_rope_head_dim wide, values v_head_dim
+
     def validate(self, cfg) -> None:
         if self.kv_lora_rank is None:
             w = "model.model_config"
             raise UserError(f"{w}.type={self.type} uses latent attention: set {w}.kv_lora_rank (e.g. 512)")
+        if self.qk_rope_head_dim % 2:
+            # rotary turns pairs of channels; transformers' DeepSeek-V2/V3 cannot build an odd width either
+            raise UserError(
+                f"model.model_config.qk_rope_head_dim={self.qk_rope_head_dim} must be even (rotary embeddings turn "
+                f"pairs of channels): use {self.qk_rope_head_dim - 1} or {self.qk_rope_head_dim + 1}"
+            )
         super().validate(cfg)
 
 

@@ -36,11 +36,12 @@ from meshformer.models.llama.model import RMSNorm, RopeTables
 
 class LatentCache:
     """Per layer, per token: [latent (kv_lora_rank), rotary key (qk_rope_head_dim)] in `k[layer]` [batch, 1, max_len,
-    kv_lora_rank + qk_rope_head_dim]; `document_layout` (models/llama/model.py) reads its length the same way as a
+    kv_lora_rank + qk_rope_head_dim]; `document_layout` (models/llama/model.py) reads its length, `max_len`, as a
     KVCache's. There is no separate value tensor: the values are the latent, the first kv_lora_rank channels."""
 
     def __init__(self, n_layers: int, batch: int, max_len: int, width: int, dtype: torch.dtype, device):
         self.k = [torch.zeros(batch, 1, max_len, width, dtype=dtype, device=device) for _ in range(n_layers)]
+        self.max_len = max_len
         self.pos = 0
         self.documents: torch.Tensor | None = None
         self.positions: torch.Tensor | None = None

@@ -16,7 +16,6 @@ from meshformer.config.schema import ModelConfig
 from meshformer.errors import UserError
 from meshformer.models.deepseek.mla import LatentAttention, LatentCache
 from meshformer.models.deepseek.rope_yarn import MlaRopeTables
-from meshformer.models.llama.model import num_params
 from meshformer.models.llama_moe.model import MoeDecoderLayer, MoeTransformer
 from meshformer.models.llama_moe.model import tp_plan as moe_tp_plan
 
@@ -45,11 +44,10 @@ class DeepseekTransformer(MoeTransformer):
 
 
 def param_count(mc: ModelConfig) -> int:
-    """Parameters of the whole model, counted on its meta-device modules (no memory is allocated)."""
-    import torch
+    """Parameters of the whole model, counted on one meta-device layer of each kind (no memory is allocated)."""
+    from meshformer.models.sizes import layered_param_count
 
-    with torch.device("meta"):
-        return num_params(DeepseekTransformer(mc))
+    return layered_param_count(DeepseekTransformer, mc)
 
 
 def tp_plan(model: nn.Module) -> dict[str, str]:

@@ -22,7 +22,8 @@ from torch import nn
 
 from meshformer.config.schema import ModelConfig
 from meshformer.dtypes import DTYPE
-from meshformer.models.attention import causal_attention, document_positions
+from meshformer.models.attention import causal_attention, document_positions, sdpa, window_band
+from meshformer.models.kv_cache import KVCache
 
 
 class RMSNorm(nn.Module):
@@ -128,25 +129,6 @@ class RopeTables(nn.Module):
         return self.cos_sin(self.config, positions, self.dtype)
 
 
-class KVCache:
-    """Preallocated keys/values for incremental decoding; one per model, one slot per layer."""
-
-    def __init__(self, n_layers: int, batch: int, n_kv: int, max_len: int, hd: int, dtype: torch.dtype, device):
-        self.k = [torch.zeros(batch, n_kv, max_len, hd, dtype=dtype, device=device) for _ in range(n_layers)]
-        self.v = [torch.zeros(batch, n_kv, max_len, hd, dtype=dtype, device=device) for _ in range(n_layers)]
-        self.pos = 0  # tokens already stored
-        # Per-row document index and rotary position of every stored token, kept once documents are used
-        # (a left-padded batch of prompts): later tokens continue each row's last document.
-        self.documents: torch.Tensor | None = None
-        self.positions: torch.Tensor | None = None
-
-    def update(self, idx: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        end = self.pos + k.shape[2]
-        self.k[idx][:, :, self.pos : end] = k
-        self.v[idx][:, :, self.pos : end] = v
-        return self.k[idx][:, :, :end], self.v[idx][:, :, :end]
-
-
 class Attention(nn.Module):
     # Training's attention over whole rows (q, k, v, mask) -> out; a parallel technique may replace it on an instance
     # (context parallelism attends from local queries to keys gathered over its ranks: parallel/context_parallel.py).
@@ -155,6 +137,10 @@ class Attention(nn.Module):
     def __init__(self, mc: ModelConfig):
         super().__init__()
         self.n_heads, self.n_kv, self.hd = mc.num_heads, mc.num_kv_heads, mc.dim_per_head
+        # Building blocks a family sets per layer (models/attention.py): a sliding window (a query sees its `window`
+        # latest keys, itself included; None: global) and learned sink logits, a Parameter [heads] (GPT-OSS)
+        self.window: int | None = None
+        self.register_parameter("sinks", None)
         self.q_proj = nn.Linear(mc.hidden_size, self.n_heads * self.hd, bias=mc.qkv_has_bias)
         self.k_proj = nn.Linear(mc.hidden_size, self.n_kv * self.hd, bias=mc.qkv_has_bias)
         self.v_proj = nn.Linear(mc.hidden_size, self.n_kv * self.hd, bias=mc.qkv_has_bias)
@@ -185,17 +171,22 @@ class Attention(nn.Module):
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if cache is not None:
+            key_positions = cache.key_positions(layer_idx, s, x.device)
             k, v = cache.update(layer_idx, k, v)
-        gqa = q.shape[1] != k.shape[1]
         if cache is None or (cache.pos == 0 and mask is None):  # training, a prompt's prefill
-            out = self.attend(q, k, v, mask)
-        elif mask is not None:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
-        else:  # queries at positions pos..pos+s-1 see every cached key up to their own position
-            q_pos = torch.arange(cache.pos, cache.pos + s, device=x.device)[:, None]
-            mask = torch.arange(k.shape[2], device=x.device)[None, :] <= q_pos
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+            out = self.attend(q, k, v, mask, **self.attend_options())
+        else:  # queries at positions pos..pos+s-1 see the cached keys up to their own position (within the window)
+            allowed = window_band(torch.arange(cache.pos, cache.pos + s, device=x.device), key_positions, self.window)
+            if mask is not None:  # document_layout's mask: a column per position; a ring keeps some of them
+                mask = mask if mask.shape[-1] == key_positions.shape[0] else mask.index_select(-1, key_positions)
+            out = sdpa(q, k, v, allowed if mask is None else mask & allowed, sinks=self.sinks)
         return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
+
+    def attend_options(self) -> dict:
+        """The window and sinks for `attend`, only those set: an installed one (context parallelism) takes neither
+        yet."""
+        options = {} if self.window is None else {"window": self.window}
+        return options if self.sinks is None else {**options, "sinks": self.sinks}
 
 
 class MLP(nn.Module):
@@ -291,9 +282,13 @@ class Transformer(nn.Module):
         return family_of(self.config).tp_plan(self)
 
     def new_kv_cache(self, batch: int, max_len: int) -> KVCache:
+        """A cache for `max_len` tokens; a layer whose attention has a sliding window keeps only its window."""
         p = next(self.parameters())
         mc = self.config
-        return KVCache(mc.num_layers, batch, mc.num_kv_heads, max_len, mc.dim_per_head, p.dtype, p.device)
+        windows: list[int | None] = [None] * mc.num_layers
+        for i, layer in self.layers.items():
+            windows[int(i)] = getattr(layer.self_attn, "window", None)
+        return KVCache(mc.num_layers, batch, mc.num_kv_heads, max_len, mc.dim_per_head, p.dtype, p.device, windows)
 
 
 def tp_plan(model: nn.Module) -> dict[str, str]:
@@ -338,7 +333,7 @@ def document_layout(
         if cache.documents is None:
             if start:
                 raise ValueError("documents must be given with the first tokens of a cache")
-            size = cache.k[0].shape[2]
+            size = cache.max_len
             cache.documents = torch.zeros(b, size, dtype=torch.long, device=device)
             cache.positions = torch.zeros(b, size, dtype=torch.long, device=device)
         if documents is None:  # continue the last document of each row

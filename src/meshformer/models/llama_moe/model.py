@@ -11,7 +11,7 @@ from __future__ import annotations
 from torch import nn
 
 from meshformer.config.schema import ModelConfig
-from meshformer.models.llama.model import MLP, DecoderLayer, Transformer, num_params
+from meshformer.models.llama.model import MLP, DecoderLayer, Transformer
 from meshformer.models.llama.model import tp_plan as llama_tp_plan
 from meshformer.models.moe import MoEBlock
 
@@ -26,11 +26,10 @@ class MoeTransformer(Transformer):
 
 
 def param_count(mc: ModelConfig) -> int:
-    """Parameters of the whole model, counted on its meta-device modules (no memory is allocated)."""
-    import torch
+    """Parameters of the whole model, counted on one meta-device layer of each kind (no memory is allocated)."""
+    from meshformer.models.sizes import layered_param_count
 
-    with torch.device("meta"):
-        return num_params(MoeTransformer(mc))
+    return layered_param_count(MoeTransformer, mc)
 
 
 def tp_plan(model: nn.Module) -> dict[str, str]:

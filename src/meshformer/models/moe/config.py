@@ -117,6 +117,19 @@ class MoeModelConfig(ModelConfig):
         )
 
     @property
+    def moe_layer_count(self) -> int:
+        """How many layers `is_moe_layer` calls sparse, counted without visiting them (a num_layers typo of a
+        billion must not loop a billion times)."""
+        if not self.is_moe:
+            return 0
+        m = self.moe_config
+        first, step, n = m.first_k_dense_replace, m.decoder_sparse_step, self.num_layers
+        if first >= n or step < 1:
+            return 0
+        listed = {i for i in m.mlp_only_layers if isinstance(i, int) and first <= i < n and (i + 1) % step == 0}
+        return n // step - first // step - len(listed)  # (i + 1) a multiple of step, for i in [first, n)
+
+    @property
     def expert_ffn_size(self) -> int:
         """Hidden width of one routed expert: moe_intermediate_size, else the dense MLP's."""
         return self.moe_config.moe_intermediate_size or self.ffn_hidden_size

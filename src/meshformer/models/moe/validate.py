@@ -10,6 +10,10 @@ M = "model.model_config.moe_config"
 AUX_LOSS_TYPES = ("global_batch", "sequence", "micro_batch")
 # MindSpore Transformers' name of its expert-level balancing loss; meshformer computes it over the global batch.
 AUX_LOSS_ALIASES = {"expert": "global_batch"}
+# torch._grouped_mm (torch 2.13.0, CPU and CUDA) needs every matrix's rows 16-byte aligned ("strides should be
+# multiple of 16 bytes"); use_gmm auto checks the same per call and loops over the experts instead
+# (backends/torch_private.py grouped_mm_supported), an explicit use_gmm: true is checked here.
+GROUPED_MM_ALIGN_BYTES = 16
 
 
 def aux_losses(mc) -> dict[str, float]:
@@ -24,6 +28,25 @@ def aux_losses(mc) -> dict[str, float]:
     return out
 
 
+def check_grouped_widths(mc) -> None:
+    """use_gmm: true runs torch's grouped matmul on every routed expert: its widths must be 16-byte multiples in the
+    dtype the experts compute in."""
+    size = 4 if mc.compute_dtype == "float32" else 2
+    step = GROUPED_MM_ALIGN_BYTES // size
+    ffn_field = (
+        f"{M}.moe_intermediate_size" if mc.moe_config.moe_intermediate_size else "model.model_config.intermediate_size"
+    )
+    widths = (("model.model_config.hidden_size", mc.hidden_size), (ffn_field, mc.expert_ffn_size))
+    for field, width in widths:
+        if width % step:
+            raise UserError(
+                f"{M}.use_gmm=true but {field}={width} is not a width torch's grouped matmul takes in "
+                f"{mc.compute_dtype} (rows must be multiples of 16 bytes: float32 widths a multiple of 4, bfloat16 "
+                f"and float16 a multiple of 8): choose such a width, or leave use_gmm out (grouped matmuls where "
+                f"they run, else one expert after another)"
+            )
+
+
 def validate_moe(mc, pipeline_stage: int = 1) -> None:
     m = mc.moe_config
     if not mc.is_moe:
@@ -31,6 +54,8 @@ def validate_moe(mc, pipeline_stage: int = 1) -> None:
             f"model.model_config.type={mc.type} is a Mixture-of-Experts model: set {M}.expert_num (> 1) and "
             f"num_experts_chosen, or import its config.json (meshformer import DIR)"
         )
+    if m.use_gmm:
+        check_grouped_widths(mc)
     if m.num_experts_chosen > m.expert_num:
         raise UserError(f"{M}.num_experts_chosen={m.num_experts_chosen} exceeds expert_num={m.expert_num}")
     if m.expert_num % m.n_group:
@@ -71,7 +96,7 @@ def validate_moe(mc, pipeline_stage: int = 1) -> None:
     bad = [i for i in m.mlp_only_layers if not isinstance(i, int) or not 0 <= i < mc.num_layers]
     if bad:
         raise UserError(f"{M}.mlp_only_layers: {bad} are not layer indices of the {mc.num_layers} layers")
-    if not any(mc.is_moe_layer(i) for i in range(mc.num_layers)):
+    if not mc.moe_layer_count:
         raise UserError(
             f"{M}: no layer is sparse (first_k_dense_replace={m.first_k_dense_replace}, decoder_sparse_step="
             f"{m.decoder_sparse_step}, mlp_only_layers={m.mlp_only_layers}): the model would have no experts"
