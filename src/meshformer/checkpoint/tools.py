@@ -16,7 +16,7 @@ from meshformer.checkpoint import store
 from meshformer.checkpoint.contents import read_header
 from meshformer.checkpoint.manifest import read_manifest, verify
 from meshformer.checkpoint.safetensors_file import save_safetensors
-from meshformer.config.load import load_yaml_text
+from meshformer.config.yaml_text import load_yaml_text
 from meshformer.errors import UserError
 
 

@@ -13,10 +13,11 @@ from pathlib import Path
 
 import yaml
 
-from meshformer.config.load import from_dict, load_yaml_text
+from meshformer.config.load import from_dict
 from meshformer.config.model_schema import ModelConfig, RopeScalingConfig
 from meshformer.config.schema import MeshformerConfig
 from meshformer.config.validate import validate_config
+from meshformer.config.yaml_text import load_yaml_text
 from meshformer.errors import UserError
 from meshformer.models.registry import family_of
 
