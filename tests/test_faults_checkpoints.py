@@ -174,6 +174,9 @@ def test_a_run_without_a_tokenizer_warns_at_start_and_exports_its_weights(no_tok
         assert not (out / "tokenizer.json").exists()
     assert main(["export", str(run), "--format", "mindspore", "--output", str(tmp_path / "ms.ckpt")]) == 0
     assert (tmp_path / "ms.ckpt").stat().st_size > 100_000
+    # --verify needs no text: without a tokenizer it compares transformers' logits on seeded random ids
+    assert main(["export", str(run), "--output", str(tmp_path / "hf_verified"), "--verify"]) == 0
+    assert "max |logit difference|" in capsys.readouterr().out
 
 
 def test_generate_and_eval_without_a_tokenizer_say_how_to_add_one(no_tokenizer_run, tokenizer_dir, tmp_path, capsys):

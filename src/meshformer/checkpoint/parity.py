@@ -87,7 +87,13 @@ def load_transformers(hf_dir: Path, gguf_file: str | None = None):
 
 @torch.no_grad()
 def compare(model, reference, tokenizer, max_tokens: int = 256) -> Parity:
-    ids = torch.tensor([tokenizer.encode(PARAGRAPH).ids[:max_tokens]])
+    """Logits of `model` and `reference` on PARAGRAPH; without a tokenizer (a run trained on pre-tokenized data),
+    on `max_tokens` ids drawn with a fixed seed: the weights are compared just as well."""
+    if tokenizer is not None:
+        ids = torch.tensor([tokenizer.encode(PARAGRAPH).ids[:max_tokens]])
+    else:
+        vocab = reference.config.vocab_size
+        ids = torch.randint(vocab, (1, max_tokens), generator=torch.Generator().manual_seed(0))
     ours = model(ids).float()
     theirs = reference(ids).logits.float()
     diff, scale = float((ours - theirs).abs().max()), float(theirs.abs().max())

@@ -150,7 +150,7 @@ def run_export(args) -> int:
         from meshformer.checkpoint.inference import load_for_inference
         from meshformer.dtypes import DTYPE
 
-        model, _, tokenizer = load_for_inference(ckpt)
+        model, _, tokenizer = load_for_inference(ckpt, need_tokenizer=False)  # none: random ids (parity.compare)
         model.to(DTYPE[args.dtype]).float()  # compare with the weights as exported (rounded to --dtype)
         parity.verify(model, tokenizer, out)
     return 0
