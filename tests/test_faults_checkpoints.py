@@ -87,6 +87,11 @@ def test_resume_sets_damaged_checkpoints_aside_and_continues_from_the_good_one(
     assert_set_aside(out, damaged, log)
     assert [c.name for c in store.list_checkpoints(out)] == ["step_00000006"]
     assert losses(out) == losses(run6)  # steps 3..6 redone from step 2: bit for bit the uninterrupted run
+    if mode == "auto":  # ckpt info names what was set aside, and where
+        assert main(["ckpt", "info", str(out)]) == 0
+        shown = capsys.readouterr().out
+        for step in damaged:
+            assert f"step_{step:08d}.damaged\n  status: damaged, set aside for repair" in shown, shown
 
 
 @pytest.mark.parametrize("resume", ["false", "auto"])

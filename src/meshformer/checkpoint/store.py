@@ -106,6 +106,15 @@ def resolve_checkpoint(path: str | Path, notes: list[str] | None = None) -> Path
 
 
 DAMAGED = ".damaged"  # `step_N.damaged`: a checkpoint that failed verification, set aside (never deleted)
+SET_ASIDE_DIR = re.compile(r"^step_\d+\.damaged(-\d+)?$")
+
+
+def set_aside_checkpoints(output_dir: str | Path) -> list[Path]:
+    """The damaged checkpoints `set_aside` renamed (`step_N.damaged`, `step_N.damaged-2`, ...), by name."""
+    root = checkpoint_root(output_dir)
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.iterdir() if SET_ASIDE_DIR.match(p.name) and p.is_dir())
 
 
 def set_aside(ckpt: Path) -> Path:

@@ -29,7 +29,9 @@ def checkpoints_of(path: str | Path) -> list[Path]:
         return [p]
     found = store.list_checkpoints(p)
     if not found:
-        raise UserError(f"{str(p)!r} holds no checkpoint (no checkpoint/step_*): pass a run's output_dir")
+        aside = store.set_aside_checkpoints(p)
+        also = f"; {len(aside)} damaged one(s) set aside for repair: {aside[0]}, ..." if aside else ""
+        raise UserError(f"{str(p)!r} holds no checkpoint (no checkpoint/step_*{also}): pass a run's output_dir")
     return found
 
 

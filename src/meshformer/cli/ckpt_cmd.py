@@ -48,6 +48,9 @@ def run(args) -> int:
             extra = f", {w['tensors']} tensors, {w['parameters']:,} parameters" if "tensors" in w else ""
             print(f"  weights: {w['files']} file(s), {w['bytes']:,} bytes{extra}; optimizer: {o['bytes']:,} bytes")
             print(f"  status: {d['status']}")
+        run_dir = not store.is_checkpoint_dir(Path(args.path))
+        for aside in store.set_aside_checkpoints(args.path) if run_dir and not args.json else []:
+            print(f"{aside}\n  status: damaged, set aside for repair (`meshformer ckpt verify {aside}` says why)")
         return 0
     if args.verb == "verify":
         bad = 0
