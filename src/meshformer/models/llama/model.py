@@ -1,4 +1,4 @@
-"""Llama-family decoder (Llama 2/3, Qwen2, Qwen3; Mistral without a window) as plain `nn.Module`s.
+"""Llama-family decoder (Llama 2/3, Qwen2, Qwen3; Mistral builds on it) as plain `nn.Module`s.
 
 No parallel code lives here: tensor, pipeline and data parallelism are applied from outside
 (`meshformer.parallel`). Parameter names follow Hugging Face's `LlamaForCausalLM` minus the `model.` prefix,
