@@ -13,7 +13,7 @@ import json
 import pytest
 import torch
 
-from conftest import EMPTY, HF_SMALL, checksums, exports_as_the_original, fails, save_hf_model
+from conftest import EMPTY, HF_SMALL, checksums, exports_as_the_original, fails, save_hf_model, tiny_overrides
 from meshformer.checkpoint.inference import load_for_inference
 from meshformer.cli.main import main
 from meshformer.config import load_config
@@ -154,3 +154,58 @@ def test_packed_rows_with_the_window_equal_each_sample_alone():
             alone = model(x[row : row + 1, start : start + n])
             torch.testing.assert_close(packed[row : row + 1, start : start + n], alone, rtol=1e-5, atol=1e-5)
             start += n
+
+
+LORA = {
+    "model.model_config.pet_config.pet_type": "lora",
+    "model.model_config.pet_config.lora_rank": 4,
+    "model.model_config.pet_config.lora_alpha": 8,
+    "model.model_config.pet_config.target_modules": "[q_proj, v_proj, down_proj]",
+    "model.model_config.rms_norm_eps": 1e-5,
+    "optimizer.learning_rate": 1e-2,
+    "runner_config.stop_step": 4,
+}
+
+
+def test_lora_fine_tune_exports_an_adapter_peft_loads_with_the_same_logits(tmp_path, tiny_dataset, tokenizer_dir):
+    peft = pytest.importorskip("peft")
+    from conftest import TINY_HF_LLAMA
+
+    src = tmp_path / "hf"
+    save_hf_model(src, tokenizer_dir, {**TINY_HF_LLAMA, "sliding_window": WINDOW}, "Mistral")
+    assert main(["import", str(src), "--output", str(tmp_path / "ckpt")]) == 0
+    extra = {**LORA, "load_checkpoint": str(tmp_path / "ckpt"), "run_mode": "finetune"}
+    from meshformer.train.trainer import run_training
+
+    run_training(load_config(None, tiny_overrides(tiny_dataset, tmp_path / "run", extra)))
+    assert main(["export", str(tmp_path / "run"), "--output", str(tmp_path / "adapter")]) == 0
+    ours, cfg, _ = load_for_inference(tmp_path / "run")
+    assert cfg.model.model_config.sliding_window == WINDOW  # the fine-tune took the base's window
+    x = text(32)
+    with torch.no_grad():
+        want = ours(x)
+        loaded = peft.AutoPeftModelForCausalLM.from_pretrained(str(tmp_path / "adapter"), dtype=torch.float32)
+        assert loaded.base_model.model.config.sliding_window == WINDOW
+        torch.testing.assert_close(loaded.eval()(x).logits, want, rtol=1e-4, atol=1e-4)
+
+
+def test_the_planner_is_exact_for_the_windowed_family(tiny_dataset, tmp_path):
+    """One real training step's measured bytes by component (train/memory.py) against the plan (test_memory.py's
+    check), with a window shorter than the row: activations counted on the real modules, within 1e-3."""
+    from meshformer.parallel.dims import ParallelDims
+    from meshformer.planner import memory
+    from meshformer.train.trainer import run_training
+    from test_memory import compare
+
+    extra = {
+        "model.model_config.type": "MistralConfig",
+        "model.model_config.sliding_window": WINDOW,
+        "runner_config.stop_step": 2,
+    }
+    cfg = load_config(None, tiny_overrides(tiny_dataset, tmp_path / "run", extra))
+    last = run_training(cfg)
+    dims = ParallelDims.from_config(cfg, 1)
+    predicted = memory.plan_memory(cfg, dims, cfg.train_dataset.batch_size, 1)[0]
+    assert predicted.activations_counted  # on the real modules: the window's banded mask included
+    assert compare(last, predicted) == [], (last["mem_activations_bytes"], predicted.activations_bytes)
+    assert abs(predicted.activations_bytes / last["mem_activations_bytes"] - 1) < 1e-3  # measured: 8 bytes apart
