@@ -201,6 +201,39 @@ def test_each_ranks_layout_is_its_rows_of_the_whole_rows_layout(packed):
         assert not torch.equal(alone[0], pos.expand(1, -1))
 
 
+@pytest.mark.parametrize("window", [3, 6])
+@pytest.mark.parametrize("packed", [False, True])
+def test_cp_attention_keeps_the_window_across_chunks(window, packed):
+    """Each cp rank's attention (its queries against the gathered keys, the mask of global positions) with a sliding
+    window shorter than a chunk pair and longer than a chunk, and sinks: the rows of the one-process attention,
+    forward and gradients; the window matters (the plain causal rows differ)."""
+    from meshformer.models.attention import causal_attention
+    from meshformer.models.llama.model import document_layout
+    from meshformer.parallel.context_parallel import key_layout, masked_attention
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, n, 16, 8, generator=g).requires_grad_() for n in (4, 2, 2))
+    sinks = torch.randn(4, generator=g).requires_grad_()
+    docs = torch.tensor([[0] * 5 + [1] * 11]) if packed else None
+    mask = document_layout(1, 16, docs, None, "cpu")[1] if packed else None
+    whole = causal_attention(q, k, v, mask, window=window, sinks=sinks)
+    keys = torch.cat([chunk_positions(16, 4, r) for r in range(4)])
+    differs = []
+    for r in range(4):
+        mine = chunk_positions(16, 4, r)
+        lay = key_layout(mine, keys, docs)[1]
+        args = (q[:, :, mine], k[:, :, keys], v[:, :, keys], lay.queries, lay.keys, lay.q_docs, lay.k_docs, None)
+        got = masked_attention(*args, window, sinks)
+        grad = torch.randn(got.shape, generator=g)
+        torch.testing.assert_close(got, whole[:, :, mine], rtol=1e-5, atol=1e-5)
+        want_grads = torch.autograd.grad(whole[:, :, mine], (q, k, v, sinks), grad, retain_graph=True)
+        got_grads = torch.autograd.grad(got, (q, k, v, sinks), grad)
+        for a, b in zip(got_grads, want_grads):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+        differs.append(not torch.allclose(masked_attention(*args, None, sinks), got, atol=1e-3))
+    assert sum(differs) >= 2, differs
+
+
 P = "--parallel_config."
 
 

@@ -204,7 +204,6 @@ def test_the_registry_finds_each_family_by_config_type_and_by_hugging_face_archi
     assert family_of(model_config(type="Qwen3Config")).name == "llama"
     assert family_for_hf({"architectures": [TOY_HF_CLASS]}, "config.json") == (TOY, TOY_HF_TYPE)
     assert family_for_hf({"model_type": TOY_HF_TYPE}, "config.json") == (TOY, TOY_HF_TYPE)
-    assert family_for_hf({"architectures": ["MistralForCausalLM"]}, "c.json")[1] == "mistral"  # imported as Llama
     with pytest.raises(UserError, match="architecture 'FalconForCausalLM' is not supported") as err:
         family_for_hf({"architectures": ["FalconForCausalLM"]}, "c.json")
     assert TOY_HF_CLASS in str(err.value) and "\n" not in str(err.value)

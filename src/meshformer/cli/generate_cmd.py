@@ -130,8 +130,10 @@ def check_cache_fits(max_new_tokens: int, rows: int, model) -> None:
     from meshformer.models.registry import family_of
 
     mc, p = model.config, next(model.parameters())
-    width = family_of(mc).kv_cache_width(mc)  # the family's cache (keys and values; latent attention its latent)
-    per_token = mc.num_layers * width * p.element_size() * rows
+    family = family_of(mc)
+    width = family.kv_cache_width(mc)  # the family's cache (keys and values; latent attention its latent)
+    per_slot = width * p.element_size() * rows
+    per_token = mc.num_layers * per_slot
     if p.device.type == "cuda":
         free = torch.cuda.mem_get_info(p.device)[0]
     else:
@@ -143,7 +145,7 @@ def check_cache_fits(max_new_tokens: int, rows: int, model) -> None:
             ),
             None,
         )
-    need = per_token * max_new_tokens
+    need = per_slot * family.kv_cache_tokens(mc, max_new_tokens)  # sliding-window layers keep their window only
     if free is not None and need > free:
         raise UserError(
             f"--max-new-tokens {max_new_tokens}: its KV cache alone would take {need / 2**30:.1f} GiB, more than "

@@ -46,8 +46,8 @@ MIN_BLOCK = 64  # fastest on the CPU measured: 32 leaves the matmuls too small, 
 def window_band(queries: torch.Tensor, keys: torch.Tensor, window: int | None) -> torch.Tensor:
     """[q, k] True where the query at position queries[i] may see the key at position keys[j]: j <= i and, with a
     window, i - window < j. transformers 5.x's convention (masking_utils `sliding_window_causal_mask_function`:
-    `kv_idx > q_idx - sliding_window` and `kv_idx <= q_idx`; Mistral, Gemma 3 and GPT-OSS build their masks with it):
-    a query sees `window` keys, itself included."""
+    `kv_idx > q_idx - window` and `kv_idx <= q_idx`, its window argument named as ours; Mistral, Gemma 3 and
+    GPT-OSS build their masks with it): a query sees `window` keys, itself included."""
     causal = keys[None, :] <= queries[:, None]
     return causal if window is None else causal & (keys[None, :] > queries[:, None] - window)
 

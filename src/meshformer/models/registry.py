@@ -85,6 +85,11 @@ def dense_kv_width(mc) -> int:
     return 2 * mc.num_kv_heads * mc.dim_per_head
 
 
+def full_cache_tokens(mc, tokens: int) -> int:
+    """Token slots a KV cache for `tokens` tokens holds, summed over the layers: every layer keeps them all."""
+    return mc.num_layers * tokens
+
+
 def dense_cp_gather_width(mc, tp: int) -> int:
     """Numbers context parallelism gathers per token and attention layer on a rank of `tp`: its K and V heads."""
     return 2 * (mc.num_kv_heads // tp) * mc.dim_per_head
@@ -125,6 +130,9 @@ class ModelFamily:
     shape_fields: tuple[str, ...] = ()
     attention_cost: Callable = dense_attention_cost  # (ModelConfig) -> AttentionCost
     kv_cache_width: Callable = dense_kv_width  # (ModelConfig) -> numbers the KV cache keeps per token and layer
+    # (ModelConfig, tokens) -> token slots a cache for `tokens` tokens holds over all layers (a sliding-window layer
+    # keeps at most its window: models/kv_cache.py)
+    kv_cache_tokens: Callable = full_cache_tokens
     # Context parallelism (parallel/context_parallel.py): {attention module class: {its attribute: what cp puts
     # there}}; the names cp offers are `attend` (attention over K/V gathered from the cp ranks), `gather` (any
     # per-token tensor gathered over the row) and `attend_gathered` (attention over already gathered K/V). The

@@ -6,9 +6,11 @@ costs (r + 1) + (2·cp − r) = 2·cp + 1 chunk-pairs: the same on each.
 
 Attention (the Llama 3 form, `colossalai_cp` in MindSpore's names): each layer all-gathers K and V over the cp
 group (an autograd all-gather: its backward reduce-scatters their gradients back) and attends from the local
-queries with an explicit mask: a key may be seen when its global position is at most the query's and, for packed
-rows, when both lie in the same document. The gathered keys stay in the ranks' order (the mask names their global
-positions), so no reordering copy is made; the attention call is checkpointed and builds its [local x seq] mask from
+queries with an explicit mask: a key may be seen when its global position is at most the query's, within the
+attention's sliding window when it has one (the window is of global positions, so it reaches across chunks and
+ranks) and, for packed rows, when both lie in the same document; learned sinks join the softmax as on one
+process. The gathered keys stay in the ranks' order (the mask names their global positions), so no reordering copy
+is made; the attention call is checkpointed and builds its [local x seq] mask from
 the position vectors (`KeyLayout`), so no quadratic tensor outlives a layer. It runs on any device and backend
 (gloo included), where torch's `context_parallel` ring attention has no rule for the CPU attention kernel; the ring
 (GPU flash/efficient SDPA, no document masks) is not wired yet, and `note` says which path runs and why.
@@ -36,7 +38,7 @@ import torch.utils.checkpoint
 from torch import nn
 
 from meshformer.errors import UserError
-from meshformer.models.attention import document_positions, sdpa
+from meshformer.models.attention import document_positions, sdpa, window_band
 from meshformer.parallel.env import ParallelEnv
 
 
@@ -53,11 +55,17 @@ def chunk_positions(seq: int, cp: int, rank: int) -> torch.Tensor:
 
 
 def allowed(
-    queries: torch.Tensor, keys: torch.Tensor, q_docs: torch.Tensor | None = None, k_docs: torch.Tensor | None = None
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    q_docs: torch.Tensor | None = None,
+    k_docs: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Mask [b or 1, 1, q, k], True where the query at global position queries[i] may see the key at keys[j]: at or
-    before it and, for packed rows (the queries' and keys' documents [b, q] and [b, k]), in the same document."""
-    causal = keys[None, :] <= queries[:, None]
+    before it, within its sliding window if the attention has one (`window_band` of the global positions, so the
+    window spans the cp chunks) and, for packed rows (the queries' and keys' documents [b, q] and [b, k]), in the
+    same document."""
+    causal = window_band(queries, keys, window)
     if q_docs is None:
         return causal[None, None]  # one row's mask, broadcast over the batch
     return ((q_docs[:, :, None] == k_docs[:, None, :]) & causal)[:, None]
@@ -94,13 +102,14 @@ def cp_layout(
     return positions, allowed(lay.queries, lay.keys, lay.q_docs, lay.k_docs)
 
 
-def masked_attention(q, k, v, queries, keys, q_docs, k_docs, scale):
-    """SDPA of the local queries against the gathered keys under `allowed`, as the 0 / -inf float mask its kernels
-    take. Run under a checkpoint: the mask (local x seq, the only quadratic tensor) and SDPA's own saved state are
-    made again in backward, so a layer keeps q, the gathered k and v and the small position vectors."""
-    mask = allowed(queries, keys, q_docs, k_docs)
+def masked_attention(q, k, v, queries, keys, q_docs, k_docs, scale, window=None, sinks=None):
+    """SDPA of the local queries against the gathered keys under `allowed` (the attention's sliding window and sink
+    logits included), as the 0 / -inf float mask its kernels take. Run under a checkpoint: the mask (local x seq, the
+    only quadratic tensor) and SDPA's own saved state are made again in backward, so a layer keeps q, the gathered k
+    and v and the small position vectors."""
+    mask = allowed(queries, keys, q_docs, k_docs, window)
     additive = torch.where(mask, torch.zeros((), dtype=q.dtype, device=q.device), torch.finfo(q.dtype).min)
-    return sdpa(q, k, v, additive, scale)
+    return sdpa(q, k, v, additive, scale, sinks=sinks)
 
 
 class ContextParallel:
@@ -138,21 +147,24 @@ class ContextParallel:
 
         return all_gather_autograd(t.contiguous(), 2, self.group)
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=None, scale=None) -> torch.Tensor:
+    def attend(self, q, k, v, mask=None, scale=None, window: int | None = None, sinks=None) -> torch.Tensor:
         """Local queries [b, h, local, d] against every rank's keys and values (gathered along the sequence);
-        `mask`: the root's KeyLayout."""
-        return self.attend_gathered(q, self.gather(k), self.gather(v), mask, scale)
+        `mask`: the root's KeyLayout; `window` and `sinks`: the attention's own (`Attention.attend_options`)."""
+        return self.attend_gathered(q, self.gather(k), self.gather(v), mask, scale, window, sinks)
 
-    def attend_gathered(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=None, scale=None):
+    def attend_gathered(self, q, k, v, mask=None, scale=None, window: int | None = None, sinks=None):
         """Local queries [b, h, local, d] against keys and values already gathered from every rank (latent attention
-        gathers its latents and expands them itself); `mask`: the root's KeyLayout. The checkpoint keeps q, k and v:
-        contiguous ones, so that a view (latent attention's values, of kv_b_proj's output with the keys' part too)
-        does not keep a wider tensor alive."""
+        gathers its latents and expands them itself); `mask`: the root's KeyLayout; a sliding `window` bands the
+        global positions (a query's window reaches into other ranks' chunks), `sinks` [heads] join the softmax. The
+        checkpoint keeps q, k and v: contiguous ones, so that a view (latent attention's values, of kv_b_proj's output
+        with the keys' part too) does not keep a wider tensor alive."""
         if not isinstance(mask, KeyLayout):
             raise RuntimeError("context-parallel attention needs the root's KeyLayout (apply_context_parallel's hook)")
         lay, k, v = mask, k.contiguous(), v.contiguous()
         return torch.utils.checkpoint.checkpoint(
-            masked_attention, q, k, v, lay.queries, lay.keys, lay.q_docs, lay.k_docs, scale, use_reentrant=False
+            masked_attention,
+            *(q, k, v, lay.queries, lay.keys, lay.q_docs, lay.k_docs, scale, window, sinks),
+            use_reentrant=False,
         )
 
     def pre_hook(self, module: nn.Module, args: tuple, kwargs: dict):

@@ -1,4 +1,4 @@
-"""The Llama family (Llama 2/3, SmolLM2, Qwen2, Qwen3; Mistral without a window): its model (model.py), config.json
+"""The Llama family (Llama 2/3, SmolLM2, Qwen2, Qwen3): its model (model.py), config.json
 mapping (hf.py), GGUF names (gguf.py), MindSpore Transformers names (mindspore_names.py), and its entry in the
 model-family registry."""
 

@@ -12,7 +12,7 @@ from meshformer.config.model_schema import ModelConfig, type_field
 
 @dataclass
 class LlamaConfig(ModelConfig):
-    """Llama 2/3/3.1, SmolLM2, Mistral without a window; the base of the Qwen variants and the MoE Llama family."""
+    """Llama 2/3/3.1, SmolLM2; the base of the Qwen variants and the MoE Llama family."""
 
     type: str = type_field("LlamaConfig")
     qkv_has_bias: bool = setting(False, "Add a bias to the q/k/v projections (Qwen2).")

@@ -1,5 +1,5 @@
-"""The Llama family's Hugging Face `config.json` <-> `model.model_config`: Llama 2/3/3.1, SmolLM2, Qwen2/2.5, Qwen3,
-and Mistral without a sliding window (imported and exported as Llama).
+"""The Llama family's Hugging Face `config.json` <-> `model.model_config`: Llama 2/3/3.1, SmolLM2, Qwen2/2.5, Qwen3
+(Mistral, with or without its sliding window, is a family of its own: models/mistral/).
 
 Both spellings of rotary settings are read: `rope_theta` + `rope_scaling` (hub files, transformers 4) and
 `rope_parameters` (transformers 5). What meshformer's model cannot represent (biases on o_proj or the MLP,
@@ -19,29 +19,7 @@ CONFIG_TYPES = {
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", False),
 }
 
-# Families whose transformers code is Llama's under another name, once the one feature each adds is off: imported
-# as Llama (and exported as Llama, which every tool reads). Mistral is LlamaAttention plus a sliding window
-# (transformers' modular_mistral.py: "main diff with Llama"); with no window, or one at least as long as the
-# context the model is made for, its attention is plain causal attention and the model is Llama's.
-# model_type -> (architecture class name, the config key that must be off, is it off?)
-SAME_AS_LLAMA = {
-    "mistral": (
-        "MistralForCausalLM",
-        "sliding_window",
-        lambda hf: (
-            hf.get("sliding_window") is None
-            or (
-                isinstance(hf.get("sliding_window"), int)
-                and isinstance(hf.get("max_position_embeddings"), int)
-                and hf["sliding_window"] >= hf["max_position_embeddings"]
-            )
-        ),
-    ),
-}
-ARCHITECTURES = {
-    **{arch: model_type for model_type, (_, arch, _) in CONFIG_TYPES.items()},
-    **{arch: model_type for model_type, (arch, _, _) in SAME_AS_LLAMA.items()},
-}
+ARCHITECTURES = {arch: model_type for model_type, (_, arch, _) in CONFIG_TYPES.items()}
 # What the registry matches a config.json by: model_type -> architecture class name
 HF_MODEL_TYPES = {model_type: arch for arch, model_type in ARCHITECTURES.items()}
 
@@ -53,7 +31,7 @@ def model_type_of(hf: dict, where: str) -> str:
             return ARCHITECTURES[arch]
     if hf.get("model_type") in HF_MODEL_TYPES:
         return hf["model_type"]
-    raise UserError(f"{where}: not a Llama-, Mistral-, Qwen2- or Qwen3-family config.json")
+    raise UserError(f"{where}: not a Llama-, Qwen2- or Qwen3-family config.json")
 
 
 def _rope(hf: dict, where: str) -> tuple[float, dict]:
@@ -93,23 +71,9 @@ def _refuse_unsupported(hf: dict, model_type: str, where: str) -> None:
             raise UserError(f"{where}: {key} {what} is not supported by meshformer's model")
 
 
-def _as_llama(hf: dict, model_type: str, where: str) -> str:
-    """A family in SAME_AS_LLAMA -> "llama" once its own feature is checked to be off; other families unchanged."""
-    if model_type not in SAME_AS_LLAMA:
-        return model_type
-    _, key, is_off = SAME_AS_LLAMA[model_type]
-    if not is_off(hf):
-        raise UserError(
-            f"{where}: {key}={hf.get(key)!r} (sliding-window attention) is not supported by meshformer's model: "
-            f"only a {model_type} model with {key} null (or at least max_position_embeddings="
-            f"{hf.get('max_position_embeddings')}) is the Llama model it imports as"
-        )
-    return "llama"
-
-
 def config_from_hf(hf: dict, where: str = "config.json") -> dict:
     """The `model.model_config` fields (a dict for the config loader) of a Hugging Face config.json."""
-    model_type = _as_llama(hf, model_type_of(hf, where), where)
+    model_type = model_type_of(hf, where)
     family, _, tied_default = CONFIG_TYPES[model_type]
     _refuse_unsupported(hf, model_type, where)
     return {

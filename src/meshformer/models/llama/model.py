@@ -1,4 +1,4 @@
-"""Llama-family decoder (Llama 2/3, Qwen2, Qwen3; Mistral without a window) as plain `nn.Module`s.
+"""Llama-family decoder (Llama 2/3, Qwen2, Qwen3; Mistral builds on it) as plain `nn.Module`s.
 
 No parallel code lives here: tensor, pipeline and data parallelism are applied from outside
 (`meshformer.parallel`). Parameter names follow Hugging Face's `LlamaForCausalLM` minus the `model.` prefix,
@@ -183,8 +183,8 @@ class Attention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
 
     def attend_options(self) -> dict:
-        """The window and sinks for `attend`, only those set: an installed one (context parallelism) takes neither
-        yet."""
+        """The window and sinks for `attend`, only those set (context parallelism's installed `attend` takes them
+        too, banding the global positions)."""
         options = {} if self.window is None else {"window": self.window}
         return options if self.sinks is None else {**options, "sinks": self.sinks}
 

@@ -23,7 +23,7 @@ import torch
 
 from meshformer.config.schema import ModelConfig
 from meshformer.errors import UserError
-from meshformer.models.llama.hf import SAME_AS_LLAMA, common_fields, common_hf
+from meshformer.models.llama.hf import common_fields, common_hf
 from meshformer.models.moe.hf_experts import split_experts, stack_experts
 from meshformer.models.registry import hf_prefixed, hf_unprefixed
 
@@ -59,9 +59,16 @@ def _int(hf: dict, where: str, *keys: str) -> int:
     raise UserError(f"{where}: {keys[0]} missing or not an integer")
 
 
+def _window_off(hf: dict) -> bool:
+    """Mixtral's sliding window (Mistral's) is plain causal attention: null, or at least the context the model is
+    made for (max_position_embeddings)."""
+    window, context = hf.get("sliding_window"), hf.get("max_position_embeddings")
+    return window is None or (isinstance(window, int) and isinstance(context, int) and window >= context)
+
+
 def _refuse(hf: dict, model_type: str, where: str) -> None:
     act = hf.get("hidden_act", "silu")
-    mixtral_window_off = SAME_AS_LLAMA["mistral"][2](hf)  # Mixtral's window is Mistral's
+    mixtral_window_off = _window_off(hf)
     problems = {
         "hidden_act": (act != "silu", f"{act!r} (the experts are SwiGLU with silu)"),
         "attention_bias": (bool(hf.get("attention_bias")), "true (a bias on o_proj as well as q/k/v)"),
