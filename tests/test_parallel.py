@@ -63,6 +63,11 @@ WORLD2 = [
     "dp2_rc_accum:compiled",
     "fsdp2:compiled",
     "pp2_1f1b:compiled",
+    # Mistral: the sliding window (SEQ // 4 keys) under tensor (and sequence) parallelism, a pipeline, FSDP
+    "tp2:mistral",
+    "tp2_sp_accum:mistral",
+    "pp2_1f1b:mistral",
+    "fsdp2:mistral",
 ]
 WORLD4 = [
     "dp4",
@@ -148,9 +153,20 @@ def test_packed_variant_masks_documents(reference):
     assert all(rel(a[0], b[0]) > 1e-4 for a, b in zip(reference["packed"], reference["fp32"]))
 
 
+def test_sliding_window_variant_is_active(reference):
+    """The Mistral reference differs from the same model with a window as long as the row (global attention): its
+    window, shorter than the row, takes effect."""
+    from meshformer.parallel import init_parallel
+
+    cfg = harness.make_cfg({**harness.VARIANTS["mistral"], "model.model_config.sliding_window": harness.SEQ})
+    glob, _ = harness.run(cfg, init_parallel(cfg, 1), 1)
+    assert harness.WINDOW < harness.SEQ
+    assert all(rel(a[0], b[0]) > 1e-4 for a, b in zip(reference["mistral"][1:], glob[1:]))
+
+
 def test_two_process_layouts_match_single_process(reference, results2):
     """dp2, tp2 (+sequence parallel), fsdp2 (ZeRO-2 and ZeRO-3), pp2 under all 7 schedules; recompute,
-    accumulation, tied embeddings under TP, bf16."""
+    accumulation, tied embeddings under TP, bf16; Mistral's sliding window under tp2 (+sp), pp2 and fsdp2."""
     _check(results2, reference, WORLD2)
 
 

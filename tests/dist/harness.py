@@ -195,6 +195,13 @@ VARIANTS["deepseek_v3_gb"] = {
     _E + "aux_loss_factors": [0.01],
 }
 VARIANTS["deepseek_v3_gb_packed"] = VARIANTS["deepseek_v3_gb"]
+# Mistral-shaped: Llama's decoder without q/k/v bias or q/k norm, every layer's attention a sliding window of
+# SEQ // 4 keys (shorter than the row and than a cp2 chunk pair, so it is active under every layout).
+WINDOW = SEQ // 4
+VARIANTS["mistral"] = {
+    _M + "type": "MistralConfig", _M + "qkv_has_bias": False, _M + "use_qk_norm": False,
+    _M + "sliding_window": WINDOW,
+}  # fmt: skip
 VARIANTS["moe_bal_seq"] = {
     **BALANCE,
     "model.model_config.moe_config.aux_loss_types": ["sequence"],
