@@ -39,6 +39,18 @@ TINY_HF_LLAMA = {
     "rms_norm_eps": 1e-5,
     "rope_theta": 1e4,
 }
+# A LoRA fine-tune of an imported tiny model, as its overrides (the PEFT interop tests share it).
+LORA = {
+    "model.model_config.pet_config.pet_type": "lora",
+    "model.model_config.pet_config.lora_rank": 4,
+    "model.model_config.pet_config.lora_alpha": 8,
+    "model.model_config.pet_config.target_modules": "[q_proj, v_proj, down_proj]",
+    "model.model_config.rms_norm_eps": 1e-5,
+    "optimizer.learning_rate": 1e-2,
+    "runner_config.stop_step": 4,
+}
+
+
 # A conversation with a system prompt and two assistant turns.
 TURNS = [
     {"role": "system", "content": "You are terse."},

@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import TINY_HF_LLAMA, save_hf_model, tiny_overrides, tokens
+from conftest import LORA, TINY_HF_LLAMA, save_hf_model, tiny_overrides, tokens
 from meshformer.checkpoint.inference import load_for_inference
 from meshformer.cli.main import main
 from meshformer.config import load_config
@@ -23,16 +23,6 @@ from meshformer.errors import UserError
 from meshformer.train.trainer import run_training
 
 transformers = pytest.importorskip("transformers")
-
-LORA = {
-    "model.model_config.pet_config.pet_type": "lora",
-    "model.model_config.pet_config.lora_rank": 4,
-    "model.model_config.pet_config.lora_alpha": 8,
-    "model.model_config.pet_config.target_modules": "[q_proj, v_proj, down_proj]",
-    "model.model_config.rms_norm_eps": 1e-5,
-    "optimizer.learning_rate": 1e-2,
-    "runner_config.stop_step": 4,
-}
 
 
 def test_hub_cache_snapshots_are_named_by_their_id():

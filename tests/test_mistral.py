@@ -13,7 +13,7 @@ import json
 import pytest
 import torch
 
-from conftest import EMPTY, HF_SMALL, checksums, exports_as_the_original, fails, save_hf_model, tiny_overrides
+from conftest import EMPTY, HF_SMALL, LORA, checksums, exports_as_the_original, fails, save_hf_model, tiny_overrides
 from meshformer.checkpoint.inference import load_for_inference
 from meshformer.cli.main import main
 from meshformer.config import load_config
@@ -154,17 +154,6 @@ def test_packed_rows_with_the_window_equal_each_sample_alone():
             alone = model(x[row : row + 1, start : start + n])
             torch.testing.assert_close(packed[row : row + 1, start : start + n], alone, rtol=1e-5, atol=1e-5)
             start += n
-
-
-LORA = {
-    "model.model_config.pet_config.pet_type": "lora",
-    "model.model_config.pet_config.lora_rank": 4,
-    "model.model_config.pet_config.lora_alpha": 8,
-    "model.model_config.pet_config.target_modules": "[q_proj, v_proj, down_proj]",
-    "model.model_config.rms_norm_eps": 1e-5,
-    "optimizer.learning_rate": 1e-2,
-    "runner_config.stop_step": 4,
-}
 
 
 def test_lora_fine_tune_exports_an_adapter_peft_loads_with_the_same_logits(tmp_path, tiny_dataset, tokenizer_dir):
