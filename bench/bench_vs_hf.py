@@ -233,7 +233,7 @@ def check_logits(parts, hf, a, autocast_dtype) -> float:
 
 
 def measure_peak(dtype) -> tuple[float, str]:
-    from meshformer.train.metrics import peak_flops
+    from meshformer.backends.peaks import peak_flops
 
     best = 0.0
     for _ in range(3):  # best of three: the machine is shared, a slow sample is someone else's load
@@ -260,7 +260,7 @@ def main(argv=None) -> int:
     import transformers
 
     from meshformer.backends.cpu import GLIBC_SETTLED, RETAINED, set_malloc
-    from meshformer.train.metrics import flops_per_token
+    from meshformer.models.registry import family_of
 
     cfg, env, parts, mf_opt, n_params, n_emb = build_meshformer(a)
     mc = cfg.model.model_config
@@ -340,7 +340,7 @@ def main(argv=None) -> int:
         print(f"  max |diff| over all {total} steps: {worst:.2e}")
 
     peak, src = (a.peak_flops, "--peak-flops") if a.peak_flops > 0 else measure_peak(autocast_dtype or torch.float32)
-    fpt = flops_per_token(mc, n_params, n_emb)
+    fpt = family_of(mc).flops_per_token(mc)
     print(
         f"\nthroughput ({a.steps} timed steps per side after {a.warmup} warm-up, alternating in rounds of "
         f"{a.round}; {fpt / 1e6:.1f} MFLOP/token; peak {peak / 1e12:.3f} TFLOP/s, {src}):"

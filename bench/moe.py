@@ -192,9 +192,9 @@ def main() -> None:
               f"({g['tflop_per_s']:.3f} TFLOP/s), loop {lp['best_s'] * 1e3:.1f} ms ({lp['tflop_per_s']:.3f} TFLOP/s): "
               f"{lp['best_s'] / g['best_s']:.2f}x")  # fmt: skip
         return
+    from meshformer.backends.peaks import peak_flops
     from meshformer.dtypes import DTYPE
     from meshformer.parallel.env import local_device
-    from meshformer.train.metrics import peak_flops
 
     peak = peak_flops(local_device(), DTYPE[args.dtype], args.peak_flops)
     rows = []

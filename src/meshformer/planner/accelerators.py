@@ -1,14 +1,17 @@
 """Accelerators the planner knows: peak FLOP/s, memory and link bandwidths, each with its source.
 
-Peaks are dense (no sparsity) vendor data-sheet figures; `cpu` is measured on the machine running the planner
-(a timed matmul, as the trainer's MFU does). Bandwidths are per device and per direction: `intra` inside a node
-(NVLink, HCCS), `inter` between nodes (one NIC per device). The planner's predicted times divide bytes by these
-and FLOPs by peak x an achievable fraction (`efficiency`), so they are estimates, labelled as such.
+Peaks are dense (no sparsity) vendor data-sheet figures from backends/peaks.py, the table the trainer's MFU reads
+too; `cpu` is measured on the machine running the planner (a timed matmul, as the trainer's MFU does). Bandwidths
+are per device and per direction: `intra` inside a node (NVLink, HCCS), `inter` between nodes (one NIC per device).
+The planner's predicted times divide bytes by these and FLOPs by peak x an achievable fraction (`efficiency`), so
+they are estimates, labelled as such.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from meshformer.backends.peaks import PEAKS
 
 GB = 1e9
 
@@ -17,7 +20,7 @@ GB = 1e9
 class Accelerator:
     name: str
     peak_bf16: float  # dense bf16/fp16 FLOP/s
-    peak_fp32: float  # FLOP/s of fp32 matmuls (TF32 off)
+    peak_fp32: float  # FLOP/s of fp32 matmuls (TF32 off: meshformer never turns it on)
     memory_bytes: float
     intra_bw: float  # bytes/s per device per direction inside a node
     inter_bw: float  # bytes/s per device per direction between nodes
@@ -39,8 +42,8 @@ class Accelerator:
 ACCELERATORS = {
     "H100": Accelerator(
         "H100",
-        989.4e12,
-        66.9e12,
+        PEAKS["H100"].bf16,
+        PEAKS["H100"].fp32,
         80 * GB,
         450 * GB,
         50 * GB,
@@ -51,8 +54,8 @@ ACCELERATORS = {
     ),
     "H200": Accelerator(
         "H200",
-        989.4e12,
-        66.9e12,
+        PEAKS["H200"].bf16,
+        PEAKS["H200"].fp32,
         141 * GB,
         450 * GB,
         50 * GB,
@@ -62,8 +65,8 @@ ACCELERATORS = {
     ),
     "A100": Accelerator(
         "A100",
-        312e12,
-        19.5e12,
+        PEAKS["A100"].bf16,
+        PEAKS["A100"].fp32,
         80 * GB,
         300 * GB,
         25 * GB,
@@ -73,8 +76,8 @@ ACCELERATORS = {
     ),
     "910B": Accelerator(
         "910B",
-        313e12,
-        75e12,
+        PEAKS["910B"].bf16,
+        PEAKS["910B"].fp32,
         64 * GB,
         196 * GB,
         25 * GB,
@@ -100,8 +103,8 @@ def cpu_accelerator(memory_bytes: float | None = None) -> Accelerator:
     """This machine's CPU, measured: fp32 matmul FLOP/s (bf16 too: without AVX-512 BF16/AMX it is emulated)."""
     import torch
 
+    from meshformer.backends.peaks import peak_flops
     from meshformer.planner.fits import device_memory_bytes
-    from meshformer.train.metrics import peak_flops
 
     cpu = torch.device("cpu")
     fp32, _ = peak_flops(cpu, torch.float32, 0)

@@ -13,8 +13,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from meshformer.backends.peaks import peak_flops
 from meshformer.config.schema import MeshformerConfig
 from meshformer.dtypes import DTYPE
+from meshformer.models.registry import family_of
 from meshformer.observe.run import RunObservers
 from meshformer.parallel import ParallelEnv
 from meshformer.train import metrics as M
@@ -45,13 +47,13 @@ class RunMetrics:
         """Open the log and the observers, say what runs; returns the memory meter (a hook for the steps).
         counts: the model's parameters, trainable parameters and input-embedding parameters."""
         cfg, env, plan = self.cfg, self.env, self.plan
-        n_params, n_trainable, n_embedding = counts
+        n_params, n_trainable, _ = counts
         self.total_steps = total_steps
         self.log = M.MetricsLog(self.out, env.is_metrics_rank, self.resume_step)
         self.observers = RunObservers(cfg, env, self.out, self.console.log)
         mc = cfg.model.model_config
-        self.peak, peak_src = M.peak_flops(env.device, DTYPE[mc.compute_dtype], cfg.monitor_config.peak_flops)
-        self.fpt = M.flops_per_token(mc, n_params, n_embedding)
+        self.peak, peak_src = peak_flops(env.device, DTYPE[mc.compute_dtype], cfg.monitor_config.peak_flops)
+        self.fpt = family_of(mc).flops_per_token(mc)
         self.tokens_per_step = plan.global_batch * mc.seq_length
         self.console.log(
             f"model {n_params / 1e6:.2f}M parameters"

@@ -29,10 +29,10 @@ from meshformer.dtypes import DTYPE
 from meshformer.errors import UserError
 from meshformer.models import build_model, materialize
 from meshformer.models.aux_loss import AuxLossCollector, StepTotals, collect_aux_losses
+from meshformer.models.registry import family_of
 from meshformer.models.transforms import ModelTransform, apply_model_transforms
 from meshformer.parallel import ModelParts, ParallelEnv, parallelize
 from meshformer.parallel.context_parallel import local_sequence
-from meshformer.planner.throughput import flops_per_token
 from meshformer.train.hooks import Hooks
 from meshformer.train.moe_balance import routing_prepass
 from meshformer.train.optim import Optimizers
@@ -77,7 +77,7 @@ def build_parts(
     split_backward = env.pp_size > 1 and cfg.parallel_config.pipeline_schedule in SPLIT_BACKWARD_SCHEDULES
     # After the transforms (LoRA's own linears included), before parallelism wraps anything.
     matmul_note = apply_cpu_matmul(model, cfg.cpu_matmul, env.device, DTYPE[mc.compute_dtype], split_backward)
-    run_flops = None if run_tokens is None else run_tokens * flops_per_token(cfg)
+    run_flops = None if run_tokens is None else run_tokens * family_of(mc).flops_per_token(mc)
     parts = parallelize(model, cfg, env, make_loss_fn(cfg), run_flops)
     for part in parts.parts:
         materialize(part, env.device, cfg.seed, DTYPE[mc.param_init_type])
