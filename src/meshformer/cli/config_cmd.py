@@ -114,9 +114,15 @@ def add_parser(sub) -> None:
         "config",
         help="explain every config field, or check a config file",
         description="Explain the config schema (every field with its type, default and meaning).",
-        epilog="fields:\n" + explain_text(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    show_help = p.format_help
+
+    def format_help() -> str:  # the field list needs every family's config class: built only when help is asked
+        p.epilog = "fields:\n" + explain_text()
+        return show_help()
+
+    p.format_help = format_help
     verbs = p.add_subparsers(dest="verb", metavar="VERB")
     e = verbs.add_parser("explain", help="print every field (or those under PREFIX) with its doc")
     e.add_argument("prefix", nargs="?", default="", help="only fields starting with this, e.g. parallel_config")

@@ -137,12 +137,12 @@ def stdout_reader_gone() -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    # The model registry fills the schema's choices of model_config.type (config/schema.py RegisteredNames), so a
-    # typo there is refused when the config loads, before anything else runs.
-    importlib.import_module("meshformer.models")
     parser = build_parser()
     try:
-        args = parse(parser, argv)
+        args = parse(parser, argv)  # help and argument errors answer before torch loads
+        # The model registry fills the schema's choices of model_config.type (config/fields.py MODEL_CONFIGS), so a
+        # typo there is refused when the config loads, before anything else runs.
+        importlib.import_module("meshformer.models")
         rc = int(args.func(args) or 0)
         sys.stdout.flush()  # a reader that went away shows here, not in the interpreter's flush at exit
         return rc
