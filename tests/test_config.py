@@ -417,3 +417,14 @@ def test_derived_shapes_are_model_config_properties():
 def test_non_finite_numbers_are_refused(tmp_path, value):
     msg = error(load_config, write(tmp_path, f"optimizer:\n  learning_rate: {value}\n"))
     assert msg.startswith("optimizer.learning_rate=") and ("finite" in msg or "out of range" in msg)
+
+
+def test_a_config_without_a_model_section_gets_its_familys_class():
+    """The default model config is the default type's class, with that family's own fields (a bare ModelConfig
+    lacked them, and counting its parameters raised AttributeError)."""
+    from meshformer.config.fields import MODEL_CONFIGS
+    from meshformer.models.registry import family_of
+
+    mc = load_config(None, []).model.model_config
+    assert type(mc) is MODEL_CONFIGS.class_of(mc.type)
+    assert family_of(mc).param_count(mc) > 6 * 10**9  # the default: Llama 2 7B's shape

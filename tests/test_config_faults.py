@@ -148,8 +148,9 @@ def test_the_ranges_match_what_torch_accepts():
         ({"model.model_config.vocab_size": 10**12}, "parameters"),
         ({"model.model_config.hidden_size": 10**9}, "parameters"),
         ({"model.model_config.num_layers": 2**63}, "parameters"),
-        ({"model.model_config.seq_length": 10**9}, "fewer than seq_length+1=1000000001"),  # the data says first
-        ({"train_dataset.batch_size": 10**9}, "fewer than one global batch (global batch 1000000000"),
+        ({"model.model_config.seq_length": 10**9}, "check seq_length and train_dataset.batch_size for a typo"),
+        ({"train_dataset.batch_size": 10**9}, "micro batch 1000000000"),  # the memory floor speaks before the data
+        ({"train_dataset.batch_size": 10**5}, "fewer than one global batch (global batch 100000"),  # fits: the data
     ],
 )
 def test_huge_sizes_fail_in_one_line_before_allocating(tiny_dataset, tmp_path, capsys, extra, needle):

@@ -18,7 +18,7 @@ from meshformer.data.registry import dataset_formats, register_dataset_format, u
 from meshformer.data.tokenizer import tokenizer_hash
 from meshformer.errors import UserError
 from meshformer.parallel import init_parallel
-from meshformer.train.batch_plan import BatchPlan
+from meshformer.parallel.batch_plan import BatchPlan
 from meshformer.train.data import TrainingData
 
 ROWS = 64  # rows of the training split (the validation split: a quarter of that)

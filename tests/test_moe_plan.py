@@ -176,9 +176,9 @@ ROUTED = 2 * 3 * 8 * 64 * 32  # the tiny Qwen3-MoE's routed experts: 2 layers x 
 
 
 def _plan(extra: dict, accelerator: str = "H100", nodes: int = 1):
+    from meshformer.parallel.batch_plan import BatchPlan
     from meshformer.planner.accelerators import find_accelerator
     from meshformer.planner.plan import make_plan
-    from meshformer.train.batch_plan import BatchPlan
 
     cfg = _config({**SHAPES["Qwen3-MoE"], **extra})
     pc = cfg.parallel_config

@@ -1,4 +1,4 @@
-"""The planner asks the model family for activations (planner/activations.py): the Llama family's formulas
+"""The planner asks the model family for activations (models/activations.py): the Llama family's formulas
 (models/llama/activations.py) and the counter a family without them gets (planner/counted_activations.py) check
 each other, and a family defined in this file alone is planned by counting and matches what its real step
 measures (train/memory.py)."""

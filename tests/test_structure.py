@@ -81,6 +81,29 @@ def test_no_import_cycles():
     assert cycle is None, " -> ".join(cycle)
 
 
+# The layers, top first (docs/design.md): a module imports only from its own layer or those below. The ground
+# (errors, dtypes, backends, tolerance) is everything not named here.
+LAYERS = {"__main__": 8, "cli": 7, "planner": 6, "train": 5, "checkpoint": 4, "parallel": 4, "observe": 3}
+LAYERS.update({"models": 3, "config": 2, "data": 1})
+
+
+def layer_of(module: str) -> int:
+    parts = module.split(".")
+    return LAYERS.get(parts[1], 0) if len(parts) > 1 else 0  # the package root imports nothing of its own
+
+
+def layer_violations(graph: dict[str, set[str]]) -> list[str]:
+    return sorted(f"{a} -> {b}" for a, targets in graph.items() for b in targets if layer_of(b) > layer_of(a))
+
+
+def test_imports_follow_the_layers():
+    """cli > planner > train > checkpoint/parallel > observe/models > config > data > ground, function-level
+    imports included (import_graph)."""
+    assert layer_violations(import_graph()) == []
+    planted = {"meshformer.config.validate": {"meshformer.train.loss_scale"}, "meshformer.cli.main": {"meshformer"}}
+    assert layer_violations(planted) == ["meshformer.config.validate -> meshformer.train.loss_scale"]
+
+
 def test_cycle_finder_finds_a_planted_cycle():
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set()}) is None

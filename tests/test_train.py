@@ -87,7 +87,8 @@ def test_bf16_compute_trains_close_to_fp32(tiny_dataset, tmp_path):
 
 def test_cli_bad_dataset_dir_is_one_line_exit_2(tmp_path):
     cfg = tmp_path / "c.yaml"
-    cfg.write_text("run_mode: train\ntrain_dataset:\n  data_loader:\n    dataset_dir: %s\n" % (tmp_path / "nope"))
+    small = "model:\n  model_config: {num_layers: 2, hidden_size: 64, num_heads: 4, intermediate_size: 128}\n"
+    cfg.write_text(small + "train_dataset:\n  data_loader:\n    dataset_dir: %s\n" % (tmp_path / "nope"))
     r = subprocess.run(
         [sys.executable, "-m", "meshformer", "train", str(cfg), "--output_dir", str(tmp_path / "o")],
         capture_output=True,
@@ -137,8 +138,8 @@ def test_seed_section_33_yaml_trains_with_only_size_layout_warmup_steps_overridd
 def test_seven_b_config_is_the_seed_layout_and_batch():
     from conftest import ROOT
     from meshformer.config import validate_layout
+    from meshformer.parallel.batch_plan import BatchPlan
     from meshformer.parallel.dims import ParallelDims
-    from meshformer.train.batch_plan import BatchPlan
 
     cfg = load_config(ROOT / "configs" / "llama2_7b_pretrain_8card.yaml")
     validate_layout(cfg, 8)

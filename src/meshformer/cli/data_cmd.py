@@ -67,8 +67,8 @@ class _View:
         from meshformer.data.dataset import GlobalBatches, SampleOrder
         from meshformer.data.protocol import check_tokenizer, shuffles
         from meshformer.data.registry import open_dataset_for
+        from meshformer.parallel.batch_plan import BatchPlan
         from meshformer.parallel.dims import ParallelDims
-        from meshformer.train.batch_plan import BatchPlan
 
         cfg = load_config(args.config, getattr(args, "overrides", []))
         self.cfg, self.mc = cfg, cfg.model.model_config

@@ -46,11 +46,11 @@ def add_machine_arguments(p) -> None:
 def build(args):
     """(config, plan) of the command's arguments."""
     from meshformer.config.load import load_config
+    from meshformer.parallel.batch_plan import BatchPlan
     from meshformer.parallel.dims import ParallelDims
     from meshformer.planner.accelerators import find_accelerator
     from meshformer.planner.fits import check_plannable
     from meshformer.planner.plan import make_plan
-    from meshformer.train.batch_plan import BatchPlan
     from meshformer.train.finetune import apply_finetune_base
 
     if args.devices is not None and args.devices < 1:  # checked first: 0 must not mean "the layout's product"

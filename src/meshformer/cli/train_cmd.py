@@ -27,6 +27,7 @@ def run(args) -> int:
     die_with_parent()  # under torchrun: a killed launcher takes its workers with it
     with StopBeforeTraining():  # before torch is imported: a stop signal during set-up ends the command, exit 0
         from meshformer.config.load import load_config
+        from meshformer.planner.fits import check_run_fits
         from meshformer.train.trainer import run_training
 
         notices: list[str] = []
@@ -34,7 +35,7 @@ def run(args) -> int:
         if args.profile is not None:
             overrides = [*profile_overrides(args.profile), *overrides]
         cfg = load_config(args.config, overrides, notices=notices)
-        run_training(cfg, notices)
+        run_training(cfg, notices, preflight=[check_run_fits])  # a size typo fails before anything is allocated
     return 0
 
 

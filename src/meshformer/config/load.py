@@ -267,6 +267,8 @@ def from_dict(cls: type, data: Any, path: tuple, notices: list[str]) -> Any:
     for name, f in fields.items():  # list defaults whose items have a schema are built like given values
         if name not in kwargs and path + (name,) in LIST_ITEM_SCHEMAS:
             kwargs[name] = _convert(hints[name], field_default(f), path + (name,), f.metadata, notices)
+        elif name not in kwargs and is_dataclass_type(hints[name]):  # an absent section: its class's defaults (the
+            kwargs[name] = from_dict(hints[name], {}, path + (name,), notices)  # model config's is its family's)
     return cls(**kwargs)
 
 

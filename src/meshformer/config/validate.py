@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 
+from meshformer.config.scale_sense import scale_sense
 from meshformer.config.schema import MeshformerConfig, ModelConfig
 from meshformer.errors import UserError
 
@@ -192,9 +193,7 @@ def validate_run(cfg: MeshformerConfig, world_size: int | None) -> None:
             "parallel_config.cpu_offload=true offloads FSDP's shards, and this layout shards nothing: set "
             "parallel_config.optimizer_shard: true with data_parallel > 1, or cpu_offload: false"
         )
-    from meshformer.train.loss_scale import LossScaler
-
-    LossScaler.from_config(cfg)  # a malformed runner_wrapper.scale_sense is one line here, before any process
+    scale_sense(cfg)  # a malformed runner_wrapper.scale_sense is one line here, before any process
     if mc.tie_word_embeddings and pc.pipeline_stage > 1:
         raise UserError(
             "model.model_config.tie_word_embeddings=true cannot be split by pipeline_stage="

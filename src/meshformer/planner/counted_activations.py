@@ -1,4 +1,4 @@
-"""Activations of a family with no activation model, counted on its real modules (planner/activations.py).
+"""Activations of a family with no activation model, counted on its real modules (models/activations.py).
 
 The planner's meta-device piece (pipeline cut, model transforms applied) is copied onto FakeTensors (shapes and
 dtypes, no storage) and runs one forward of a micro-batch, under autocast where the run has it, inside
@@ -37,7 +37,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from meshformer.backends.torch_private import fake_tensor_mode
 from meshformer.dtypes import DTYPE
-from meshformer.planner.activations import ActivationShape, HeadActivations, LayerActivations, PieceActivations
+from meshformer.models.activations import ActivationShape, HeadActivations, LayerActivations, PieceActivations
 
 # (divisor of a saved tensor, of a kept op output) by the style of the innermost planned module it is made in;
 # "sp" divides by the tensor-parallel degree under sequence parallelism only
@@ -65,7 +65,7 @@ _HEAD = "head"
 
 
 class CountedActivations:
-    """planner/activations.py's ActivationModel, by counting (module docstring). Counts are cached per piece and
+    """models/activations.py's ActivationModel, by counting (module docstring). Counts are cached per piece and
     shape: a layout search asks for the same piece many times."""
 
     def __init__(self):
@@ -202,7 +202,9 @@ class _CountedMoE(nn.Module):
         self.experts_train = block.experts.gate_proj.requires_grad
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from meshformer.backends.torch_private import grouped_mm_op
         from meshformer.models.moe.activations import routed_bytes
+        from meshformer.parallel.recompute import SAVED_OPS
 
         sh = self.count.shape
         flat = x.reshape(-1, x.shape[-1])
@@ -213,7 +215,14 @@ class _CountedMoE(nn.Module):
                 torch.sigmoid(self.shared_expert_gate(flat)) * shared
         experts = sh.compute if sh.autocast else x.element_size()
         saved, kept = routed_bytes(
-            self.mc, flat.shape[0], x.element_size(), experts, self.experts_train, sh.expert_copies, sh.ep
+            self.mc,
+            flat.shape[0],
+            x.element_size(),
+            experts,
+            self.experts_train,
+            sh.expert_copies,
+            sh.ep,
+            grouped_mm_op() in SAVED_OPS,
         )
         if self.count.layer not in (None, _HEAD):
             self.count.add(self.count.layer, kept if self.selective else saved)

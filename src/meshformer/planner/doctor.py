@@ -37,8 +37,8 @@ class Finding:
 def _variant(plan: Plan, **changes) -> Plan | None:
     """The plan with some config fields changed (dotted names), or None when that layout is invalid."""
     from meshformer.errors import UserError
+    from meshformer.parallel.batch_plan import BatchPlan
     from meshformer.parallel.dims import ParallelDims
-    from meshformer.train.batch_plan import BatchPlan
 
     cfg = copy.deepcopy(plan.cfg)
     for dotted, value in changes.items():

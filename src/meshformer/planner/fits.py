@@ -32,7 +32,7 @@ def state_bytes_floor(cfg: MeshformerConfig, dims: ParallelDims) -> int:
 
 def activation_bytes_floor(cfg: MeshformerConfig, dims: ParallelDims) -> int:
     """Bytes of one micro-batch's decoder-layer inputs on the most loaded pipeline stage, at the least."""
-    from meshformer.train.batch_plan import BatchPlan
+    from meshformer.parallel.batch_plan import BatchPlan
 
     mc = cfg.model.model_config
     if cfg.swap_config.swap:
@@ -52,7 +52,7 @@ def check_fits(cfg: MeshformerConfig, dims: ParallelDims, device: torch.device) 
     gib = 1 << 30
     acts = activation_bytes_floor(cfg, dims)
     if need <= have and need + acts > have:
-        from meshformer.train.batch_plan import BatchPlan
+        from meshformer.parallel.batch_plan import BatchPlan
 
         mb = BatchPlan.from_config(cfg, dims).micro_batch
         raise UserError(
@@ -69,6 +69,11 @@ def check_fits(cfg: MeshformerConfig, dims: ParallelDims, device: torch.device) 
         f"{have / gib:,.1f} GiB: check those sizes for a typo, or split the model further (model_parallel, "
         "pipeline_stage, optimizer_shard)"
     )
+
+
+def check_run_fits(cfg: MeshformerConfig, env) -> None:
+    """`check_fits` on a started run's layout and device (a ParallelEnv), for `run_training`'s preflight."""
+    check_fits(cfg, env.dims, env.device)
 
 
 def check_plannable(cfg: MeshformerConfig, dims: ParallelDims, device_memory: float, accelerator: str) -> None:

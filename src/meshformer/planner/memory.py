@@ -6,7 +6,7 @@ style shards, uneven splits rounded up) and FSDP's dim-0 shards (padded to equal
 trainable parameters only; AdamW keeps two moments in the parameter's dtype and a 4-byte step per parameter.
 
 Activations (the bytes autograd saves for backward) are the model family's to say, per decoder layer and
-micro-batch: planner/activations.py's `ActivationModel`, which a family registers as its `activation_model`
+micro-batch: models/activations.py's `ActivationModel`, which a family registers as its `activation_model`
 (models/registry.py) beside its modules. A family without one is counted on its real modules under FakeTensorMode
 (planner/counted_activations.py: one fake forward, the distinct storages saved) and the plan marks the figure
 `activations_counted`. What is not the layer's stays here, for every family: micro-batches in flight, pipeline
@@ -50,8 +50,8 @@ import torch
 from meshformer.config.schema import MeshformerConfig, ModelConfig
 from meshformer.config.validate import V_SCHEDULES
 from meshformer.dtypes import DTYPE
+from meshformer.models.activations import ActivationModel, ActivationShape
 from meshformer.parallel.dims import ParallelDims
-from meshformer.planner.activations import ActivationModel, ActivationShape
 
 # Which dimension of a parameter each tensor-parallel style shards (None: replicated). parallel/tp.py's styles.
 TP_SHARD_DIM = {

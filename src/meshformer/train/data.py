@@ -29,7 +29,7 @@ from meshformer.data.registry import open_dataset_for
 from meshformer.data.tokenizer import load_tokenizer, tokenizer_hash, vocab_size
 from meshformer.errors import UserError
 from meshformer.parallel import ParallelEnv
-from meshformer.train.batch_plan import BatchPlan
+from meshformer.parallel.batch_plan import BatchPlan
 from meshformer.train.optim import schedule_warnings
 from meshformer.train.step import eval_micro_batch
 

@@ -19,8 +19,8 @@ from meshformer.dtypes import DTYPE
 from meshformer.models.registry import family_of
 from meshformer.observe.run import RunObservers
 from meshformer.parallel import ParallelEnv
+from meshformer.parallel.batch_plan import BatchPlan
 from meshformer.train import metrics as M
-from meshformer.train.batch_plan import BatchPlan
 from meshformer.train.memory import MemoryMeter
 from meshformer.train.progress import Progress
 from meshformer.train.step import StepResult

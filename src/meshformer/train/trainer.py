@@ -28,8 +28,7 @@ from meshformer.errors import RunFailed, UserError
 from meshformer.models import num_params
 from meshformer.observe.timing import StepClock
 from meshformer.parallel import ModelParts, ParallelEnv, init_parallel
-from meshformer.planner.fits import check_fits
-from meshformer.train.batch_plan import BatchPlan
+from meshformer.parallel.batch_plan import BatchPlan
 from meshformer.train.checkpointing import Checkpointing, check_resumable, run_identity
 from meshformer.train.data import TrainingData
 from meshformer.train.evaluation import Evaluation
@@ -66,7 +65,6 @@ class Trainer:
         self.plan = BatchPlan.from_config(cfg, self.env.dims)
         self.data = TrainingData(cfg, self.env, self.plan, self.console.log)
         self.total_steps = self.data.total_steps
-        check_fits(cfg, self.env.dims, self.env.device)  # a size typo fails here, before anything is allocated
         self.run_dir = RunDir(self.out, self.env, self.console.log)
         self.run_dir.lock()
         try:
@@ -300,15 +298,20 @@ class Trainer:
         self.checkpoints.save(step, self.parts.parts, self.optimizer.items, self.state_dict(step, best), files)
 
 
-def run_training(cfg: MeshformerConfig, notices: list[str] | None = None, hooks: Iterable = ()) -> dict:
+def run_training(
+    cfg: MeshformerConfig, notices: list[str] | None = None, hooks: Iterable = (), preflight: Iterable = ()
+) -> dict:
     """Train; a collective that fails because a rank died or hung ends the run naming that rank (RunFailed).
-    hooks: train/hooks.py objects every step calls."""
+    hooks: train/hooks.py objects every step calls. preflight: checks `(cfg, env)` run once the layout is known,
+    before the trainer opens anything (the CLI's memory floor: planner/fits.py)."""
     notices = [*(notices or []), *apply_finetune_base(cfg)]
     env = init_parallel(cfg)
     if cfg.swap_config.swap and env.device.type != "cuda":
         notices.append("swap_config.swap: a CPU run keeps activations in host memory anyway; swap is off")
     trainer, ok = None, False
     try:
+        for check in preflight:
+            check(cfg, env)
         trainer = Trainer(cfg, notices, env, hooks)
         last = trainer.train()
         ok = True

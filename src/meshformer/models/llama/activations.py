@@ -3,7 +3,7 @@
 Closed-form arithmetic over the layer's operations (RMSNorm, GQA attention through SDPA, SwiGLU), in Korthikanti
 et al.'s style: planner/memory.py's module docstring has the per-piece formulas, and tests/test_memory.py and
 tests/test_parallel.py hold them to the bytes real runs measure. The planner reaches it as the family's
-`activation_model` (planner/activations.py says what it is asked).
+`activation_model` (models/activations.py says what it is asked).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from meshformer.config.schema import ModelConfig
-from meshformer.planner.activations import ActivationShape, HeadActivations, LayerActivations, PieceActivations
+from meshformer.models.activations import ActivationShape, HeadActivations, LayerActivations, PieceActivations
 
 
 @dataclass
@@ -157,7 +157,7 @@ def selective_layer_bytes(
 
 
 class LlamaActivations:
-    """The formulas above, per piece of the planner's cut (planner/activations.py's ActivationModel)."""
+    """The formulas above, per piece of the planner's cut (models/activations.py's ActivationModel)."""
 
     needs_styles = False  # the formulas know where this family's plan cuts
 

@@ -28,25 +28,19 @@ from __future__ import annotations
 
 
 def routed_bytes(
-    mc, tokens: int, stream: int, experts: int, trains: bool, weight_copies: bool, ep: int = 1
+    mc, tokens: int, stream: int, experts: int, trains: bool, weight_copies: bool, ep: int, matmuls_kept: bool
 ) -> tuple[int, int]:
     """(bytes saved for backward, bytes kept under selective recompute) of one MoE block's routed experts for
     `tokens` tokens: `stream` and `experts` are the element sizes of the residual stream and of the experts'
-    compute, `trains` whether the experts' weights train, `weight_copies` whether each forward casts them."""
+    compute, `trains` whether the experts' weights train, `weight_copies` whether each forward casts them,
+    `matmuls_kept` whether the recompute policy keeps the grouped matmuls' outputs (the planner asks it)."""
     m = mc.moe_config
     T, h, E, k, F = tokens, mc.hidden_size, m.expert_num, m.num_experts_chosen, mc.expert_ffn_size
     R = T * k
     saved = (R * h if trains else 0) + (4 if trains else 3) * R * F + R * h + T * k
     if weight_copies:
         saved += 3 * (E // ep) * F * h
-    kept = (2 * R * F + R * h) * experts if _grouped_mm_kept() else 0
+    kept = (2 * R * F + R * h) * experts if matmuls_kept else 0
     if ep > 1:
         kept += 2 * R * h * stream  # the rows received for this rank's experts, and the rows sent back
     return saved * experts, kept
-
-
-def _grouped_mm_kept() -> bool:
-    from meshformer.backends.torch_private import grouped_mm_op
-    from meshformer.parallel.recompute import SAVED_OPS
-
-    return grouped_mm_op() in SAVED_OPS
