@@ -1,4 +1,4 @@
-"""Issue 32's data-input faults: damaged or absurd Megatron indexes, blends and splits, JSON records that are valid
+"""Data-input faults: damaged or absurd Megatron indexes, blends and splits, JSON records that are valid
 JSON but no text, `data samples` ranges and splits, and data that trains no target. Each is one line naming the
 field or file and the fix, exit code 2, before anything is built or trained, and changes no file."""
 

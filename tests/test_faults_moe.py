@@ -1,4 +1,4 @@
-"""Faults of issue 32 on the MoE paths, each one line (exit 2) or working where it stopped:
+"""Faults on the MoE paths, each one line (exit 2) or working where it stopped:
 
 - a fine-tune (`run_mode: finetune`) of an imported Qwen3-MoE under expert parallelism trains, equal to one process
   (its layout is checked against load_checkpoint's model, not the schema's default dense one);

@@ -340,9 +340,9 @@ def test_private_api_scan_finds_planted_uses():
     assert len(private_torch_uses(TORCH_PRIVATE.read_text(encoding="utf-8"))) >= 8
 
 
-# ---------------------------------------------------------------- a family is its folder (issue 33)
+# ---------------------------------------------------------------- a family is its folder
 
-# Names of what families used to share before each owned its config and answered for itself: gone for good.
+# Names of family-specific knowledge outside the families (each family owns its config and answers for itself).
 RETIRED = {"uses_mla", "MOE_MODEL_TYPES", "LATENT_ATTENTION_TYPES", "MODEL_TYPES", "FAMILY_DEFAULTS"}
 # (file under src/meshformer, name) pairs allowed to stay, each with its reason.
 ALLOWED = {("config/model_schema.py", "LlamaConfig")}  # the default `model_config.type`, as MindSpore's
@@ -385,7 +385,7 @@ def test_no_file_outside_a_family_folder_names_the_family_its_attention_or_its_f
     """Whatever varies by family is asked of the family (models/registry.py ModelFamily): no file outside the
     family folders (`models/<family>/`), the registry and `models/__init__.py` (the imports that register them)
     imports a family's folder or names its config types, config classes, own config fields or attention classes,
-    nor the retired flags that used to branch on families."""
+    nor flags that branch on families."""
     owned = _family_names()
     assert {"kv_lora_rank", "LatentAttention", "Qwen2Config", "DeepseekConfig", "beta_fast"} <= set().union(
         *owned.values()
