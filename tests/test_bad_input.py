@@ -1,6 +1,6 @@
 """Every bad input is one line on stderr, exit code 2, no traceback, and changes no file that was there before.
 
-Each class of issue 7's list has at least three cases. Commands run in-process through the CLI entry point
+Each class of bad input has at least three cases. Commands run in-process through the CLI entry point
 (`meshformer.cli.main.main`), which is what the `meshformer` script calls: a UserError becomes one line and
 exit code 2; any other exception would fail the test with its traceback.
 """

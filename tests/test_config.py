@@ -81,9 +81,8 @@ def test_seed_article_yaml_loads_exactly_as_written(tmp_path):
     assert stage_layer_counts(cfg) == [16, 16]
 
 
-# Keys in real MindSpore configs that the schema rejects today (see the report to the lead).
-# Real files that use features meshformer does not have yet: they must fail with a clear one-line reason.
-UNSUPPORTED: dict[str, str] = {}  # reference config -> the one-line refusal it gets (none since the Megatron blends)
+# Real MindSpore configs that use features meshformer does not have: they must fail with a clear one-line reason.
+UNSUPPORTED: dict[str, str] = {}  # reference config -> the one-line refusal it gets (none at present)
 
 
 @pytest.mark.parametrize("name", sorted(p.name for p in REFERENCE.glob("*.yaml")) or ["(none found)"])

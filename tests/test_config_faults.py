@@ -96,7 +96,7 @@ def test_ordinary_anchors_and_merge_keys_still_load(tmp_path):
     assert [cb.per_print_times for cb in c.callbacks] == [7, 7]
 
 
-# ---------------------------------------------------------------- values that passed validation, then crashed in torch
+# ---------------------------------------------------------------- values validation must refuse before torch sees them
 
 
 @pytest.mark.parametrize(

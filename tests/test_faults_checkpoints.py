@@ -1,4 +1,4 @@
-"""Issue 32, checkpoints: damaged checkpoints are set aside on every restart mode, never overwritten or pruned;
+"""Checkpoint faults: damaged checkpoints are set aside on every restart mode, never overwritten or pruned;
 safetensors files follow the umask; a run without a tokenizer stays usable; `ckpt` tools on damaged input."""
 
 from __future__ import annotations

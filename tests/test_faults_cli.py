@@ -1,4 +1,4 @@
-"""Issue 32, the command line and launch: a flag argparse refuses, a launch port that is out of range or taken, a
+"""Faults of the command line and launch: a flag argparse refuses, a launch port that is out of range or taken, a
 --device this machine lacks and odd values of other flags end with one line naming the flag, exit code 2, no
 usage block and no traceback; a reader that closes stdout early (`| head`) ends the command quietly."""
 

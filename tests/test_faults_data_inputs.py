@@ -1,4 +1,4 @@
-"""Issue 32's data-input faults: damaged or absurd Megatron indexes, blends and splits, JSON records that are valid
+"""Data-input faults: damaged or absurd Megatron indexes, blends and splits, JSON records that are valid
 JSON but no text, `data samples` ranges and splits, and data that trains no target. Each is one line naming the
 field or file and the fix, exit code 2, before anything is built or trained, and changes no file."""
 
@@ -75,7 +75,8 @@ def samples(capsys, tmp_path, config: Path, *needles, extra: list[str] = ()) -> 
 
 
 def test_an_index_pointing_beyond_the_bin_is_refused_when_opened(tmp_path, two, capsys):
-    """Only the last pointer was checked: sequence 10 pointing past the .bin failed (IndexError) when read."""
+    """Every pointer is checked when the index is opened, not only the last: sequence 10 pointing past the .bin is
+    refused there, not met as an IndexError when read."""
     idx = Path(f"{two[0]}.idx")
     raw = bytearray(idx.read_bytes())
     at = HEADER_BYTES + 4 * 50 + 8 * 10  # sequence 10's int64 pointer

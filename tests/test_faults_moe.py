@@ -1,4 +1,4 @@
-"""Faults of issue 32 on the MoE paths, each one line (exit 2) or working where it stopped:
+"""Faults on the MoE paths, each one line (exit 2) or working where it stopped:
 
 - a fine-tune (`run_mode: finetune`) of an imported Qwen3-MoE under expert parallelism trains, equal to one process
   (its layout is checked against load_checkpoint's model, not the schema's default dense one);
@@ -56,10 +56,10 @@ EP2 = {
 def test_finetune_of_an_imported_moe_with_expert_parallelism_equals_one_process(
     moe_ckpt, tiny_dataset, tmp_path, capsys
 ):
-    """The layout was checked against the default dense model before the fine-tune took the MoE's shape, so every
-    fine-tune of an imported MoE with expert_parallel > 1 was refused ("the model is dense"). Now `config check`
-    and `launch` take the shape first: dp2 x ep2 (FSDP over 2 ranks, 2 experts each) gives the single process's
-    loss and grad norm at every step (fp32, 1e-5), and the layout rules still hold against the real model."""
+    """`config check` and `launch` take the checkpoint's MoE shape before checking the layout (against the schema's
+    default dense model every such fine-tune would be refused as "the model is dense"): dp2 x ep2 (FSDP over 2
+    ranks, 2 experts each) gives the single process's loss and grad norm at every step (fp32, 1e-5), and the layout
+    rules still hold against the real model."""
     run_yaml = tmp_path / "run.yaml"
     run_yaml.write_text("run_mode: finetune\n")
     ep = _finetune(tiny_dataset, tmp_path / "ep", moe_ckpt, EP2)

@@ -1,4 +1,4 @@
-"""Issue 32, model-building sizes and import validation: an absurd size (a num_layers, hidden_size, vocab_size,
+"""Faults of model-building sizes and import validation: an absurd size (a num_layers, hidden_size, vocab_size,
 intermediate_size or expert_num typo) is refused in seconds, in one line naming the field and the bytes, on every
 path that builds a model (train, plan, doctor, import from Hugging Face, GGUF and MindSpore, generate, eval, export);
 impossible MoE config.json routing, a tied YAML over a MindSpore head of its own, an eval window past the model's

@@ -187,7 +187,7 @@ def test_planner_states_equal_the_real_parallelize_path_on_fake_tensors_at_7b(ra
         assert fake[key] == getattr(stage, key), (key, fake[key], getattr(stage, key))
 
 
-# ---- the planner against the CUDA allocator's peaks measured on one H200 (docs/memory.md, 2026-11-29) -----------
+# ---- the planner against the CUDA allocator's peaks measured on one H200 (docs/memory.md) ------------------------
 
 # (preset, layers (0: all), seq, micro batch, bench/gpu_train.py mode, measured peak allocated GiB)
 H200_PEAKS = [

@@ -1,4 +1,4 @@
-"""The Mistral family (models/mistral/, issue 33 item 4): a tiny random transformers MistralForCausalLM whose
+"""The Mistral family (models/mistral/): a tiny random transformers MistralForCausalLM whose
 sliding window (8) is shorter than the text (40 tokens, five windows) imports with transformers' logits (fp32,
 1e-5), exports back bit for bit and reloads in transformers, passes `--verify`, and decodes greedily past the window
 through the rolling KV cache with transformers' tokens; Mistral with `sliding_window: null` is the same family with
@@ -197,4 +197,4 @@ def test_the_planner_is_exact_for_the_windowed_family(tiny_dataset, tmp_path):
     predicted = memory.plan_memory(cfg, dims, cfg.train_dataset.batch_size, 1)[0]
     assert predicted.activations_counted  # on the real modules: the window's banded mask included
     assert compare(last, predicted) == [], (last["mem_activations_bytes"], predicted.activations_bytes)
-    assert abs(predicted.activations_bytes / last["mem_activations_bytes"] - 1) < 1e-3  # measured: 8 bytes apart
+    assert abs(predicted.activations_bytes / last["mem_activations_bytes"] - 1) < 1e-3  # the two differ by a few bytes

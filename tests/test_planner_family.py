@@ -246,7 +246,7 @@ def test_a_family_without_formulas_is_planned_by_counting_and_matches_its_measur
     predicted = memory.plan_memory(cfg, dims, cfg.train_dataset.batch_size, 1)[0]
     assert predicted.activations_counted
     assert compare(last, predicted) == [], (name, last["mem_activations_bytes"], predicted.activations_bytes)
-    # tighter than the planner's tolerance: the count runs the modules the step runs (measured: 8 bytes apart)
+    # tighter than the planner's tolerance: the count runs the modules the step runs
     assert abs(predicted.activations_bytes / last["mem_activations_bytes"] - 1) < 1e-3
     report = json.loads((tmp_path / "run" / "memory.json").read_text())
     assert report["0"]["activations_bytes"] == last["mem_activations_bytes"] > 0

@@ -109,7 +109,7 @@ def test_killing_torchrun_takes_its_workers_with_it(tiny_dataset, tmp_path):
     out = tmp_path / "killed_launcher_run"
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env.pop("WORLD_SIZE", None)
-    # 4 workers: measured without the death signal, all 4 outlive a SIGKILLed launcher by 30 s and more.
+    # 4 workers: without the death signal every one of them outlives a SIGKILLed launcher, so the test would fail.
     args = _cli(tiny_dataset, out, TOTAL, {"parallel_config.data_parallel": 4})[3:]  # after "-m meshformer"
     cmd = [
         sys.executable,

@@ -96,7 +96,7 @@ def _run_with_kills(dataset: Path, out: Path, nproc: int, extra: dict, kills: in
         t0 = time.time()
         while len(_metrics(out)) <= before and proc.poll() is None and time.time() - t0 < 120:
             time.sleep(0.01)
-        time.sleep(rng.uniform(0.0, 0.15 * nproc))  # a step plus its save takes ~20-60 ms here, per process
+        time.sleep(rng.uniform(0.0, 0.15 * nproc))  # a random point a few steps and saves in
         if proc.poll() is None:
             stats["inside_save"] += any((out / "checkpoint").glob("*.tmp"))
             os.killpg(proc.pid, signal.SIGKILL)

@@ -1,4 +1,4 @@
-"""Restart modes never delete what meshformer did not write, or what can still be recovered (issue 21, item 1).
+"""Restart modes never delete what meshformer did not write, or what can still be recovered.
 
 Every replacing command (overwrite_output_dir, `resume_training: auto` over a damaged run or after an attempt
 that died before its first save) runs in-process through the CLI entry point, with checksums of the user's files

@@ -363,9 +363,92 @@ def test_private_api_scan_finds_planted_uses():
     assert len(private_torch_uses(TORCH_PRIVATE.read_text(encoding="utf-8"))) >= 8
 
 
-# ---------------------------------------------------------------- a family is its folder (issue 33)
+# Underscored attributes of objects that are not meshformer's, each allowed with its reason: none is torch's.
+FOREIGN_PRIVATE_ALLOWED = {
+    "_exit": "os._exit, public in the standard library",
+    "_actions": "argparse (the CLI's one-line errors and its help), not torch",
+    "_subparsers": "argparse, not torch",
+    "_group_actions": "argparse, not torch",
+    "_option_string_actions": "argparse, not torch",
+    "_attn_implementation": "transformers' config (--verify switches the reference's attention), not torch",
+}
 
-# Names of what families used to share before each owned its config and answered for itself: gone for good.
+
+def _meshformer_attribute_names(sources: list[str]) -> set[str]:
+    """Every name meshformer defines that an attribute could carry: functions, classes, class-level and module
+    assignments, and attributes it assigns (`x._name = ...`)."""
+    names: set[str] = set()
+    for source in sources:
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                names.add(node.name)
+            elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+                names.add(node.attr)
+            elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                names.add(node.id)
+            elif isinstance(node, ast.arg):
+                names.add(node.arg)
+    return names
+
+
+def foreign_private_attributes(source: str, own: set[str]) -> list[tuple[int, str]]:
+    """(line, name) for each underscored attribute `source` reads off an object (`sched._stages`,
+    `getattr(sched, "_stages", None)`) that meshformer itself never defines: a private attribute of someone else's
+    object, torch's unless FOREIGN_PRIVATE_ALLOWED says otherwise. Dunders and `self.` / `cls.` reads are left
+    alone (a class's own attributes)."""
+
+    def private(name: str) -> bool:
+        dunder = name.startswith("__") and name.endswith("__")
+        return name.startswith("_") and not dunder and name not in own and name not in FOREIGN_PRIVATE_ALLOWED
+
+    hits = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Attribute) and private(node.attr):
+            if not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")):
+                hits.add((node.lineno, node.attr))
+        elif isinstance(node, ast.Call) and getattr(node.func, "id", None) in ("getattr", "hasattr"):
+            if len(node.args) >= 2 and isinstance(name := node.args[1], ast.Constant) and isinstance(name.value, str):
+                if private(name.value):
+                    hits.add((node.lineno, name.value))
+    return sorted(hits)
+
+
+def test_private_attributes_of_torch_objects_only_in_torch_private():
+    """A torch object's underscored attribute (a schedule's `_stages`, a tensor's `_base`, a DTensor's
+    `_local_tensor`) is as private as `torch._x`: read only through backends/torch_private.py."""
+    files = sorted((SRC / "meshformer").rglob("*.py"))
+    sources = {p: p.read_text(encoding="utf-8") for p in files}
+    own = _meshformer_attribute_names([s for p, s in sources.items() if p != TORCH_PRIVATE])
+    offenders = [
+        f"{p.relative_to(SRC)}:{line}: .{name}"
+        for p, s in sources.items()
+        if p != TORCH_PRIVATE
+        for line, name in foreign_private_attributes(s, own)
+    ]
+    assert not offenders, "private attributes of torch objects outside backends/torch_private.py:\n" + "\n".join(
+        offenders
+    )
+
+
+def test_foreign_private_attribute_scan_finds_planted_reads():
+    code = "\n".join(
+        [
+            "stages = getattr(sched, '_stages', None) or [sched._stage]",  # 1: a pipeline schedule's
+            "base = t._base",  # 2: a tensor's
+            "x = self._mine + obj._mine + self._theirs",  # 3: meshformer's own (defined below), self's
+            "obj._mine = 1",  # 4
+            "os._exit(1)",  # 5: allowed
+            "ok = hasattr(cls, '_load_actions')",  # 6
+        ]
+    )
+    own = _meshformer_attribute_names([code])
+    assert foreign_private_attributes(code, own) == [(1, "_stage"), (1, "_stages"), (2, "_base"), (6, "_load_actions")]
+    assert foreign_private_attributes(TORCH_PRIVATE.read_text(encoding="utf-8"), set()) != []
+
+
+# ---------------------------------------------------------------- a family is its folder
+
+# Names of family-specific knowledge outside the families (each family owns its config and answers for itself).
 RETIRED = {"uses_mla", "MOE_MODEL_TYPES", "LATENT_ATTENTION_TYPES", "MODEL_TYPES", "FAMILY_DEFAULTS"}
 # (file under src/meshformer, name) pairs allowed to stay, each with its reason.
 ALLOWED = {("config/model_schema.py", "LlamaConfig")}  # the default `model_config.type`, as MindSpore's
@@ -408,7 +491,7 @@ def test_no_file_outside_a_family_folder_names_the_family_its_attention_or_its_f
     """Whatever varies by family is asked of the family (models/registry.py ModelFamily): no file outside the
     family folders (`models/<family>/`), the registry and `models/__init__.py` (the imports that register them)
     imports a family's folder or names its config types, config classes, own config fields or attention classes,
-    nor the retired flags that used to branch on families."""
+    nor flags that branch on families."""
     owned = _family_names()
     assert {"kv_lora_rank", "LatentAttention", "Qwen2Config", "DeepseekConfig", "beta_fast"} <= set().union(
         *owned.values()

@@ -12,9 +12,9 @@ are called through backends/torch_private.py only.
 oneDNN linears
 --------------
 torch runs an fp32 `F.linear` on a CPU through its BLAS, MKL. On CPUs not made by Intel MKL dispatches its AVX2
-kernels even where the CPU has AVX-512: on the 2-core AMD EPYC (Zen 5, AVX-512) of docs/benchmarks.md, MKL's sgemm
-runs 160-190 GFLOP/s on the model's shapes where oneDNN's AVX-512 brgemm kernels, which ship inside torch, run
-380-430. bf16 matmuls already go to oneDNN; fp32 ones only when asked, which is what this module does.
+kernels even where the CPU has AVX-512, and oneDNN's AVX-512 brgemm kernels, which ship inside torch, run the
+model's shapes about twice as fast (docs/benchmarks.md, "fp32 linears on oneDNN"). bf16 matmuls already go to
+oneDNN; fp32 ones only when asked, which is what this module does.
 
 `use_onednn_linears` gives every `nn.Linear` of a (meta-device) model the forward of `OneDNNLinear`, a subclass with
 no parameters or buffers of its own: parameter names, checkpoints and `isinstance(m, nn.Linear)` stay as they were.
@@ -27,22 +27,21 @@ Under `cpu_matmul: auto` a call of fewer than AUTO_MIN_MACS multiply-adds (a tin
 F.linear, where oneDNN's fixed cost per call outweighs its faster kernel; `onednn` sends every call.
 
 Results differ from MKL's by the order of accumulation only (a few ulps); the weight-gradient matmul picks which
-operand oneDNN copies to a contiguous layout by size (measured: the smaller one), and small weights keep MKL
-there, where the copy costs more than the kernel saves.
+operand oneDNN copies to a contiguous layout by size (the smaller one, the faster order on every model shape),
+and small weights keep MKL there, where the copy costs more than the kernel saves (docs/benchmarks.md).
 
 Host memory
 -----------
 A step frees and re-allocates the same activation, gradient and logits buffers every time. glibc's malloc hands
 large blocks back to the kernel: blocks above its mmap threshold are unmapped on free, and the heap's top is
 trimmed once more than its trim threshold lies free there. The next step touches that memory again, and every
-4 KiB page costs a fault and a zero-fill. On the benchmark model (bench/bench_vs_hf.py, bf16) that was 48,000-
-75,000 faults a step; alternating the two settings step by step in one process: 0.842 s against 0.788 s (-6%),
-fp32 2.369 against 2.332 s (docs/benchmarks.md).
+4 KiB page costs a fault and a zero-fill: tens of thousands a step on the benchmark model, a few percent of its
+step time (docs/benchmarks.md, "Rotary and host memory").
 
 What changes, and why no more:
 - the heap's top is never trimmed (`M_TRIM_THRESHOLD` = SIZE_MAX: mallopt's int -1 becomes glibc's size_t), so
   freed memory stays resident and is reused. The heap stops shrinking between steps but grows no further than a
-  step's peak needs (the benchmark model's peak RSS: 1.21-1.26 GB with and without);
+  step's peak needs (the benchmark model's peak RSS is the same with and without: docs/benchmarks.md);
 - the mmap threshold is fixed at 32 MiB, glibc's own ceiling for it (its dynamic threshold climbs there once
   such blocks are freed): larger blocks come from the retained top when it has room, else they are mapped as
   before, never by growing the heap;
@@ -50,8 +49,9 @@ What changes, and why no more:
   their gradients) find room in the top instead of being mapped afresh; untouched pad costs no memory.
 Mapping everything from the heap (`M_MMAP_MAX` = 0) also removed the faults, but it is not safe on glibc 2.36:
 torch allocates with 64-byte `posix_memalign`, which asks for 96 bytes more than a freed block of the same size
-holds, so a block freed behind a small live allocation is never reused and the heap grows every step (64 MiB blocks
-freed behind 4 KiB ones: RSS 796 -> 3,996 MiB over 50 rounds; these settings stay flat, the test checks it).
+holds, so a block freed behind a small live allocation is never reused and the heap grows every step (a large
+block freed behind a small one: tests/test_host_memory.py checks these settings stay flat where that one grew;
+docs/benchmarks.md has the figures).
 This is what torch's CPU tuning guide gets from preloading jemalloc or tcmalloc, without another allocator or a
 relaunch. C libraries other than glibc are left alone.
 """
@@ -69,13 +69,12 @@ from torch import nn
 from meshformer.backends import torch_private
 
 # `cpu_matmul: auto` leaves a linear with fewer multiply-adds per call than this to F.linear: oneDNN's fixed cost
-# per call (about 30 us with autograd) outweighs its faster kernel there (measured on the Zen 5, forward + backward:
-# [256 x 64] x [64 x 128] 124 us MKL against 270 us oneDNN; [512 x 128] x [128 x 128] 340 against 282).
+# per call outweighs its faster kernel there; 4M sits between the shapes where MKL wins and where oneDNN does
+# (docs/benchmarks.md, "fp32 linears on oneDNN": `AUTO_MIN_MACS`).
 AUTO_MIN_MACS = 1 << 22
 
 # Below this many weight elements the weight-gradient matmul stays with torch's BLAS: oneDNN's transposed-input copy
-# then costs more than its kernel saves (measured on the Zen 5: [2048 x 128]^T x [2048 x 128] 0.41 ms MKL, 0.47
-# oneDNN; 256 x 256 1.53 against 1.23).
+# then costs more than its kernel saves (docs/benchmarks.md, "fp32 linears on oneDNN": the weight gradient).
 _MIN_DW_ELEMENTS = 256 * 256
 
 
@@ -117,7 +116,7 @@ class _OneDNNLinearFn(torch.autograd.Function):
 
 def weight_grad(dy: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """dW = dy^T x for dy [tokens, out], x [tokens, in]: both operands are transposed here, and oneDNN copies its
-    first to row-major, so the smaller one goes first (measured the faster order on every model shape)."""
+    first to row-major, so the smaller one goes first (the faster order on every model shape: docs/benchmarks.md)."""
     out_f, in_f = dy.shape[1], x.shape[1]
     if out_f * in_f < _MIN_DW_ELEMENTS:
         return dy.t() @ x
@@ -218,8 +217,8 @@ MMAP_THRESHOLD_MAX = 32 << 20  # glibc's DEFAULT_MMAP_THRESHOLD_MAX on 64-bit
 RETAINED = ((M_MMAP_THRESHOLD, MMAP_THRESHOLD_MAX), (M_TRIM_THRESHOLD, -1), (M_TOP_PAD, 256 << 20))
 # What a process that never tuned malloc runs with, near enough: glibc's dynamic mmap threshold climbs to the
 # largest mapped block freed (at most 32 MiB), its trim threshold to twice that, and the pad stays 128 KiB. A
-# benchmark sets it for the side that stands for such a process (bench/bench_vs_hf.py's Hugging Face side);
-# switched in one process between steps, it gave 57,000-64,000 faults a bf16 step, untuned processes 48,000-75,000.
+# benchmark sets it for the side that stands for such a process (bench/bench_vs_hf.py's Hugging Face side;
+# docs/benchmarks.md compares its page faults with an untuned process's).
 GLIBC_SETTLED = (
     (M_MMAP_THRESHOLD, MMAP_THRESHOLD_MAX),
     (M_TRIM_THRESHOLD, 2 * MMAP_THRESHOLD_MAX),

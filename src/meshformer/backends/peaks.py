@@ -66,7 +66,8 @@ def peak_flops(device: torch.device, dtype: torch.dtype, configured: float) -> t
             return peak_of(known[1], dtype, tf32_enabled()), f"datasheet:{known[0]}" + (" (TF32 on)" if tf32 else "")
     if device.type == "cpu" and dtype != torch.float32 and not cpu_has_bf16():
         # Without AVX-512 BF16 or AMX a bf16 matmul is converted to fp32 work: the fp32 peak is the hardware limit
-        # (timing the slow conversion path instead gave MFUs of 400% when the model's own matmuls took a faster one).
+        # (timing the slow conversion path instead overstates MFU several times over when the model's own matmuls
+        # take a faster one: docs/benchmarks.md).
         fp32, _ = peak_flops(device, torch.float32, 0)
         return fp32, "measured fp32 (this CPU has no bf16 matmul units)"
     # The best of several large matmuls: sizes from 512 up until one takes ~50 ms, each timed five times; a busy

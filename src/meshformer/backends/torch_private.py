@@ -2,7 +2,8 @@
 
 A private name can move or change between releases without notice. Calling it only from here means an upgrade
 breaks one function with a clear name, not a dozen call sites; `tests/test_structure.py` fails if a private torch
-name is used anywhere else under src/. Checked on torch 2.13.0 (CPU build); the GPU paths on the same release.
+name, or an underscored attribute of a torch object (a schedule's `_stages`, a tensor's `_base`), is used anywhere
+else under src/. Checked on torch 2.13.0 (CPU build); the GPU paths on the same release.
 """
 
 from __future__ import annotations
@@ -194,3 +195,20 @@ def grouped_mm_supported(x: torch.Tensor, gate: torch.Tensor, down: torch.Tensor
         major, _ = torch.cuda.get_device_capability(x.device)
         return major >= (8 if x.dtype == torch.bfloat16 else 9)
     return x.device.type == "cpu"
+
+
+def pipeline_schedule_stages(sched) -> list:
+    """The stages a pipeline schedule runs on this rank: a multi-stage schedule's list, a single-stage schedule's
+    one (torch.distributed.pipelining.schedules' `_stages` / `_stage`, torch 2.13.0: no public accessor)."""
+    return list(getattr(sched, "_stages", None) or [sched._stage])
+
+
+def view_base(t: torch.Tensor) -> torch.Tensor:
+    """The tensor whose storage `t` views, or `t` itself when it is not a view (Tensor._base, torch 2.13.0)."""
+    return t._base if t._base is not None else t
+
+
+def dtensor_local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard as it is stored, outside autograd (DTensor._local_tensor, torch 2.13.0); any other
+    tensor itself."""
+    return t._local_tensor if hasattr(t, "_local_tensor") else t

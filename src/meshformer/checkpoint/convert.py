@@ -63,13 +63,6 @@ def recorded_base(ckpt: Path) -> str | None:
     return value if isinstance(value, str) and value else None
 
 
-def base_of(src: str | Path) -> str | None:
-    """The Hugging Face base of a run's `load_checkpoint`: the directory itself, or what the checkpoint records."""
-    from meshformer.checkpoint.hf_dir import is_hf_dir
-
-    return hf_base_name(src) if is_hf_dir(Path(src)) else recorded_base(resolve_checkpoint(src))
-
-
 def read_source(src: str | Path) -> SourceModel:
     p = Path(src)
     if p.is_file() and p.suffix == ".gguf":

@@ -8,16 +8,14 @@ logits up to 30: transformers' own sdpa and eager attention differ by 6e-5, mesh
 perplexities equal to 4 digits).
 
 The largest logit is not the scale of that rounding, though: it grows with depth and with the size of the
-activations, which a logit can hide by cancellation. Tiny random DeepSeek-V2/V3 models (latent attention, MoE; 2 to 6
-layers, hidden 64 or 128, weights spread by 0.2 to 0.7 beyond init) differed from transformers by 9e-6 to 1.2e-3 with
-logits of 7 to 52; the fixed rule refused 9 of 38 (1.9e-4 to 1.2e-3 against at most 5.2e-4). Transformers' own
-eager and sdpa attention on the same tokens differed by 0.7x to 1.5x as much in all 38 (in those 9: 1.9e-4 to
-1.1e-3, beyond the fixed rule in 8: transformers would fail it against itself), and in fp64 (spread 0.2) the
-difference shrank 3-5x, what stays being the fp32 both models keep on purpose (routers, norms). The difference is
-rounding, not the conversion. So where the fixed rule is exceeded, the reference runs once more with its other
-attention implementation, and REFERENCE_NOISE_FACTOR (4: over the worst ratio measured, 1.5) times its own
-difference is the tolerance when larger. A wrong conversion (a swapped tensor, a wrong rotary layout) moves logits by
-1e-2 and more, far beyond either.
+activations, which a logit can hide by cancellation. On deep models with spread-out weights (tiny random
+DeepSeek-V2/V3 models: latent attention, MoE) the fixed rule refuses correct conversions, and transformers' own
+eager and sdpa attention differ from each other by about as much: transformers would fail the rule against itself.
+The difference is rounding, not the conversion (it shrinks in fp64). So where the fixed rule is exceeded, the
+reference runs once more with its other attention implementation, and REFERENCE_NOISE_FACTOR times its own
+difference is the tolerance when larger (4: a margin over the largest ratio between the two differences seen;
+docs/benchmarks.md, "Figures behind the code's constants"). A wrong conversion (a swapped tensor, a wrong rotary
+layout) moves logits by 1e-2 and more, far beyond either.
 `transformers` is an optional extra: without it the check says so and is skipped.
 """
 

@@ -1,5 +1,5 @@
 """`meshformer doctor CONFIG [--target-samples-per-s X] [plan's flags]`: validate a config, plan it, and say what to
-change, in the seed's triage order (planner/doctor.py). Exit 0: nothing wrong; 1: a problem (out of memory, an
+change, most urgent first (planner/doctor.py). Exit 0: nothing wrong; 1: a problem (out of memory, an
 impossible target); 2: the config itself is invalid."""
 
 from __future__ import annotations

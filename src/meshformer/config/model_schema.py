@@ -105,7 +105,7 @@ class ModelConfig:
     )
     pet_config: PetConfig = setting(PetConfig, "Parameter-efficient fine-tuning (pet_type: lora).")
     pet_method: str = setting(
-        "none", "Short form of pet_config.pet_type (the seed's `pet_method: lora`).", choices=("none", "lora")
+        "none", "Short form of pet_config.pet_type (`pet_method: lora`).", choices=("none", "lora")
     )
     offset: int | list = setting(0, "Pipeline layer split: 0 for even, or a list of per-stage layer-count adjustments.")
 

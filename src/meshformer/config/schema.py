@@ -1,6 +1,6 @@
 """The whole configuration schema, in one place.
 
-Field names follow MindSpore Transformers (the seed article and `shared/reference/mindformers-configs`) so
+Field names follow MindSpore Transformers so
 that users can bring their YAML files. Every field carries a one-line doc (`meta["doc"]`) that is also the
 CLI help (`meshformer config explain`). Validation of single values (type, range, choices) is driven by the
 metadata here; cross-field rules live in `validate.py`.

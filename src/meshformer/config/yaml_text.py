@@ -15,10 +15,10 @@ from meshformer.errors import UserError
 MAX_CONFIG_BYTES = 1 << 20
 # Nodes a document expands to with every alias followed: nested anchors ("billion laughs") share nodes while
 # loading, so loading is quick, but each dump or deepcopy afterwards walks the full expansion (9 levels of 10
-# aliases: 10**9 nodes, a checkpoint save stuck at 5 GB).
+# aliases are 10**9 nodes: a checkpoint save that never ends; docs/benchmarks.md).
 MAX_YAML_NODES = 100_000
 # Sections inside sections: a config needs a handful. PyYAML's scanner slows with the square of the flow depth
-# (1,500 brackets: 9 s), so deeper input is refused as it is read, not after.
+# (docs/benchmarks.md), so deeper input is refused as it is read, not after.
 MAX_YAML_DEPTH = 64
 
 

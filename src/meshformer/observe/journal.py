@@ -1,11 +1,10 @@
 """The tuning journal: one line per run with its config change against the previous run and what it got.
 
-The seed's closing advice, "记录每次配置改动的显存和吞吐变化" (record every config change with its memory and
-throughput), made automatic. When a run ends, the metrics rank writes `{output_dir}/run_summary.json` (the
-effective config, flattened to dotted keys, and the run's figures) and appends the same, plus `changes` against
-the journal's previous line, to the journal: `monitor_config.journal` (`auto`: `journal.jsonl` beside
-output_dir, so the runs of one directory of experiments share it; empty: none). `meshformer journal` prints it;
-`meshformer compare A B` puts two runs' config diff beside their metric diff.
+Recording every config change with its memory and throughput, made automatic. When a run ends, the metrics rank writes
+`{output_dir}/run_summary.json` (the effective config, flattened to dotted keys, and the run's figures) and appends
+the same, plus `changes` against the journal's previous line, to the journal: `monitor_config.journal` (`auto`:
+`journal.jsonl` beside output_dir, so the runs of one directory of experiments share it; empty: none). `meshformer
+journal` prints it; `meshformer compare A B` puts two runs' config diff beside their metric diff.
 """
 
 from __future__ import annotations

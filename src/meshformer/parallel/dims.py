@@ -228,13 +228,6 @@ class ParallelDims:
         out["dp"] = out["dp_replicate"] * self.dp_shard + out["dp_shard"]
         return out
 
-    def rank_of(self, **coords: int) -> int:
-        """The rank at the given dense mesh coordinates (missing dims: 0)."""
-        rank = 0
-        for name, size in zip(MESH_DIMS, self.mesh_shape):
-            rank = rank * size + coords.get(name, 0)
-        return rank
-
     def is_metrics_rank(self, rank: int) -> bool:
         """The rank that logs and writes metrics: last pipeline stage, first loss-mesh and tensor rank."""
         c = self.coords(rank)

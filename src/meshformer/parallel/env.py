@@ -222,8 +222,8 @@ def start_process_group(device: torch.device, timeout_s: float) -> None:
 
     The timeout turns a dead or stuck rank into an error on the others instead of a hang. Under torchrun each
     restart attempt gets its own key prefix in the rendezvous store: the store outlives an attempt, and a
-    restarted rank could otherwise read a dead rank's gloo address from the attempt before (measured: about
-    one restart in three failed with "connectFullMesh ... Connection refused").
+    restarted rank could otherwise read a dead rank's gloo address from the attempt before and fail with
+    "connectFullMesh ... Connection refused" (docs/checkpoints.md).
     """
     if dist.is_initialized():
         return

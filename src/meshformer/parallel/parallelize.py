@@ -31,10 +31,10 @@ from meshformer.parallel.recompute import apply_recompute
 from meshformer.parallel.swap import apply_swap
 from meshformer.parallel.tp import apply_tp
 
-# A CPU run compiles by default only when its work repays the compile: Inductor takes 25 s (warm cache: 1 s) to
-# 60 s per process on the 2-core CPUs measured and then saves 10-30% of each step (8% with fp32 linears on oneDNN,
-# cpu_matmul; docs/benchmarks.md), so a run of at least 100 TFLOP per process (five to ten minutes of eager fp32 work
-# there) gains about what it pays or more.
+# A CPU run compiles by default only when its work repays the compile: Inductor's cold compile costs a fixed time
+# per process and then saves a share of each step, so only a run with enough work gains what it pays; 100 TFLOP per
+# process is near the break-even on the CPUs of docs/benchmarks.md ("fp32 linears on oneDNN": compile costs and
+# savings).
 CPU_COMPILE_MIN_FLOPS = 1e14
 
 
@@ -84,8 +84,8 @@ def apply_compile(model: nn.Module) -> None:
 
 def compile_loss(loss_fn: LossFn) -> LossFn:
     """The loss compiled too: Inductor fuses log-softmax, the target gather and their backward over the
-    [tokens, vocab] logits, which eager runs as separate passes (on the bench_vs_hf model, a CPU: 60-95 ms -> 20-30
-    ms a step)."""
+    [tokens, vocab] logits, which eager runs as separate passes (docs/benchmarks.md: the loss eager and
+    compiled)."""
     import torch
 
     return torch.compile(loss_fn)

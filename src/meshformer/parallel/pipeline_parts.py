@@ -6,7 +6,7 @@ import torch
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
 
-from meshformer.backends.torch_private import pipeline_batch_p2p
+from meshformer.backends.torch_private import pipeline_batch_p2p, pipeline_schedule_stages
 from meshformer.config.schema import MeshformerConfig
 from meshformer.models.aux_loss import counting_aux_losses
 from meshformer.parallel.env import ParallelEnv
@@ -91,7 +91,7 @@ class PipelineParts(ModelParts):
         first step and kept): memory accounting counts them whether or not a saved tensor is a view of them."""
         out = []
         for sched in self._schedules.values():
-            for stage in getattr(sched, "_stages", None) or [sched._stage]:
+            for stage in pipeline_schedule_stages(sched):
                 for infos in stage.args_recv_info.values():
                     out += [r.buffer for r in infos if isinstance(getattr(r, "buffer", None), torch.Tensor)]
         return out
@@ -110,7 +110,7 @@ class PipelineParts(ModelParts):
             raise RuntimeError("pipeline eval_loss needs one training step first (it reuses the schedule's stages)")
         n_micro, rows = self._last
         sched = self._schedules[n_micro]
-        stages = {st.stage_index: st for st in getattr(sched, "_stages", None) or [sched._stage]}
+        stages = {st.stage_index: st for st in pipeline_schedule_stages(sched)}
         if inputs.shape[0] % rows:
             raise ValueError(
                 f"pipeline eval batch of {inputs.shape[0]} rows is not a multiple of the "

@@ -24,7 +24,7 @@ import weakref
 import torch
 from torch import nn
 
-from meshformer.backends.torch_private import is_checkpoint_wrapped
+from meshformer.backends.torch_private import is_checkpoint_wrapped, view_base
 from meshformer.errors import UserError
 
 MIN_BYTES = 1 << 20  # smaller tensors are not worth a copy
@@ -72,7 +72,7 @@ class ActivationSwap:
         return g
 
     def pack(self, group: _Group, t: torch.Tensor):
-        base = t._base if t._base is not None else t
+        base = view_base(t)
         if t.device.type != "cuda" or base.grad_fn is None or t.numel() * t.element_size() < self.min_bytes:
             return t
         d2h, _ = self._side_streams(t.device)

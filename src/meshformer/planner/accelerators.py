@@ -27,7 +27,7 @@ class Accelerator:
     devices_per_node: int
     runtime_bytes: float  # CUDA/CANN context + library workspaces the process holds outside the allocator
     source: str
-    efficiency: float = 0.4  # share of peak meshformer's training step reaches (hardware FLOPs), measured
+    efficiency: float = 0.4  # share of peak meshformer's training step reaches (hardware FLOPs): see below
     host_bw: float = 50 * GB  # device <-> pinned host memory, bytes/s per direction (activation swap)
     communicator_bytes: float = 0.5 * (1 << 30)  # buffers of one collective communicator (NCCL/HCCL), per group
 
@@ -91,12 +91,12 @@ ACCELERATORS = {
 }
 ALIASES = {"ascend": "910B", "ascend910b": "910B", "atlas800ta2": "910B", "h100sxm": "H100", "a100sxm": "A100"}
 
-# `efficiency`, the share of peak a training step's hardware FLOPs reach. NVIDIA: measured with meshformer on one
-# H200 (bench/gpu_train.py, torch 2.11 eager, docs/benchmarks.md): 30% (Llama 1B shape, seq 2048) to 51% (8B shape,
-# seq 8192); 0.4 is their middle. The 8192^3 bf16 matmul alone reached 82% there: the rest of a step is kernel
-# launches, element-wise work, attention and the optimizer. `runtime_bytes` 0.8 GiB: what that process held outside
-# the caching allocator (0.75-0.86 GiB); a communicator's 0.5 GiB is an estimate (NCCL's default 4 MiB buffers x
-# channels x peers), not measured here (one GPU). host_bw: PCIe Gen5 x16 pinned copies, ~50 GB/s.
+# `efficiency`, the share of peak a training step's hardware FLOPs reach. NVIDIA: 0.4 is the middle of what
+# meshformer's eager step reached on one H200, from a 1B shape at short sequences to an 8B shape at long ones
+# (docs/benchmarks.md, "Training on one H200"); a bare large matmul reaches far more: the rest of a step is kernel
+# launches, element-wise work, attention and the optimizer. `runtime_bytes`: what that process held outside the
+# caching allocator, rounded up (docs/memory.md); a communicator's 0.5 GiB is an estimate (NCCL's default 4 MiB
+# buffers x channels x peers), not a measurement. host_bw: PCIe Gen5 x16 pinned copies (docs/benchmarks.md).
 
 
 def cpu_accelerator(memory_bytes: float | None = None) -> Accelerator:

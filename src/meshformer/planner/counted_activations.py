@@ -35,7 +35,7 @@ import torch
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from meshformer.backends.torch_private import fake_tensor_mode
+from meshformer.backends.torch_private import fake_tensor_mode, view_base
 from meshformer.dtypes import DTYPE
 from meshformer.models.activations import ActivationShape, HeadActivations, LayerActivations, PieceActivations
 
@@ -136,7 +136,7 @@ class _Count:
         return any(base.shape == s and base.dtype != dtype for s, dtype in self._frozen)
 
     def saved(self, t: torch.Tensor, kept: bool = False):
-        base = t._base if t._base is not None else t
+        base = view_base(t)
         if isinstance(base, nn.Parameter) or not (t.is_floating_point() or t.dtype == torch.bool):
             return t  # a parameter (or a view of one); token ids and labels are the batch's
         ref = StorageWeakRef(t.untyped_storage())

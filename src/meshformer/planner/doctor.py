@@ -1,14 +1,14 @@
-"""`meshformer doctor`: the planner's figures turned into advice, in the order the seed's section 4.1 triages.
+"""`meshformer doctor`: the planner's figures turned into advice, most urgent first (docs/memory.md).
 
-1. Memory: if a stage does not fit, try the knobs in the seed's order (micro batch, then recompute, then the
+1. Memory: if a stage does not fit, try the knobs cheapest first (micro batch, then recompute, then the
    parallel degrees, optimizer sharding and CPU offload) on the planner and say what each saves and whether it
    then fits.
-   Too many micro-batches in flight (GPipe keeps all of them: the seed's micro_batch_num 16 -> 8 case) are
+   Too many micro-batches in flight (GPipe keeps all of them, so halving micro_batch_num halves them) are
    caught the same way.
 2. Pipeline bubble over 10%: the micro_batch_num that brings it under.
-3. Tensor parallelism across nodes (the seed's topology rule: tensor parallel inside a node).
+3. Tensor parallelism across nodes (its collectives run every layer, so it belongs inside a node).
 4. A throughput target beyond the hardware: the FLOP/s it needs against what the devices have.
-5. fp32 compute where the seed's recipe uses bf16 (half the activation memory, several times the matmul speed).
+5. fp32 compute where bf16 would do (half the activation memory, several times the matmul speed).
 6. Mixture-of-Experts: routed experts' states dominating a rank (a larger `expert_parallel` divides them; also a
    memory knob), and expert parallelism's all-to-all taking a large share of the step (ep spanning nodes).
 7. A long sequence under recompute: context parallelism (half the data-parallel ranks) with recompute off, when the
@@ -169,7 +169,7 @@ def bubble_findings(plan: Plan) -> list[Finding]:
             "warning",
             f"pipeline bubble {bubble:.0%} (> 10%) with micro_batch_num {pc.micro_batch_num} over "
             f"{p} stages: parallel_config.micro_batch_num: {need} brings it to "
-            f"{(p - 1) / (v * need + p - 1):.0%} (the seed's rule: 4-8x the stages)",
+            f"{(p - 1) / (v * need + p - 1):.0%} (rule of thumb: 4-8x the stages)",
         )
     ]
 
@@ -231,7 +231,7 @@ def precision_findings(plan: Plan) -> list[Finding]:
             Finding(
                 "warning",
                 "model.model_config.compute_dtype is float32: bfloat16 (with layernorm and "
-                "softmax in float32, the seed's section 2.2) halves activation memory and runs the matmuls "
+                "softmax in float32) halves activation memory and runs the matmuls "
                 f"{plan.accelerator.peak_bf16 / plan.accelerator.peak_fp32:.0f}x faster on "
                 f"{plan.accelerator.name}",
             )

@@ -26,7 +26,7 @@ def rank_actions(schedule: str, pp: int, stages_per_rank: int, n_micro: int, ran
     computation_type = pipeline_computation_type()
 
     cls = SCHEDULES[schedule]
-    if not issubclass(cls, PipelineScheduleMulti) and not hasattr(cls, "_load_actions"):
+    if not issubclass(cls, PipelineScheduleMulti):
         return None
     n_stages = pp * stages_per_rank
     stand_ins = [

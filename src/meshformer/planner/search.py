@@ -2,7 +2,7 @@
 that fit, ranked by predicted throughput.
 
 Enumerated: data x tensor x pipeline degrees whose product is the device count (tensor parallel dividing the heads,
-KV heads and FFN width, and no wider than a node: the seed's topology rule), optimizer sharding on or off, no /
+KV heads and FFN width, and no wider than a node: its collectives run every layer), optimizer sharding on or off, no /
 selective / full recompute, the micro batch, and how the rest of the global batch is split between pipeline
 micro-batches (micro_batch_num, at least the stage count) and gradient accumulation.
 """

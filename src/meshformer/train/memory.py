@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from meshformer.backends.torch_private import dtensor_local, view_base
 from meshformer.train.metrics import tensor_bytes
 
 
@@ -60,14 +61,14 @@ class ActivationCounter:
             self.live -= nbytes
 
     def pack(self, t):
-        base = t._base if t._base is not None else t
+        base = view_base(t)
         if isinstance(base, torch.nn.Parameter):
             return t  # a parameter, or a view of one (a linear saves weight.t())
         if not (t.is_floating_point() or t.dtype == torch.bool):
             return t  # token ids and labels: the batch, which exists anyway (often a view of all micro-batches)
         if t.device.type == "meta":
             return t  # a pipeline stage infers shapes with a forward pass on the meta device: no memory
-        local = t._local_tensor if hasattr(t, "_local_tensor") else t  # a DTensor: its shard
+        local = dtensor_local(t)  # a DTensor: its shard
         if isinstance(getattr(local, "elem", None), torch.Tensor):
             local = local.elem  # a wrapper subclass (AsyncCollectiveTensor): the tensor it wraps
         try:
