@@ -119,5 +119,5 @@ def parallelize(
         parts = PipelineParts([p for _, p in pieces], [s for s, _ in pieces], cfg, env, loss_fn)
     else:
         parts = ModelParts([model], cfg, env, loss_fn)
-    parts.compile_note = why if cp_note is None else f"{why}; {cp_note}"
+    parts.compile_note, parts.cp_note = why, cp_note
     return parts

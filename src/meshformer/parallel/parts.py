@@ -44,14 +44,25 @@ class ModelParts:
 
     def __init__(self, parts: list[nn.Module], cfg: MeshformerConfig, env: ParallelEnv, loss_fn: LossFn):
         self.parts, self.cfg, self.env, self.loss_fn = parts, cfg, env, loss_fn
-        self.compile_note = ""  # parallelize: whether the layers and the loss were compiled, and why
+        # What parallelize decided, for the run's log: whether the layers and the loss were compiled and why, and
+        # how context parallelism laid out the tokens (None: no context parallelism)
+        self.compile_note = ""
+        self.cp_note: str | None = None
         self.aux_loss_names: list[str] | None = None  # the auxiliary losses all ranks reduce (train/step.py)
+        self.aux_loss_normalized: set[str] = set()  # ... those already normalised by the model (only summed)
+        self._modules_of: dict[type, list[nn.Module]] = {}  # modules_of's answers
         mc = cfg.model.model_config
         self.autocast_dtype = DTYPE[mc.compute_dtype] if mc.compute_dtype != mc.param_init_type else None
 
     def parameters(self):
         for p in self.parts:
             yield from p.parameters()
+
+    def modules_of(self, cls: type) -> list[nn.Module]:
+        """This rank's modules of class `cls` (a subclass's too), in order; looked up once per class."""
+        if cls not in self._modules_of:
+            self._modules_of[cls] = [m for part in self.parts for m in part.modules() if isinstance(m, cls)]
+        return self._modules_of[cls]
 
     def named_parameters(self):
         for p in self.parts:

@@ -7,6 +7,9 @@ first; None when the caller of train_step gave none).
 - `step_context(step)` -> a context manager or None: the step's whole forward/backward runs inside it (every
   micro-batch; under pipeline parallelism the schedule's one call). Activation measurement (train/memory.py),
   context parallelism's sequence sharding.
+- `before_forward_backward(step, batch)`: the step's rows are this rank's (`batch`: a StepBatch of inputs,
+  labels, documents and the micro-batch count) and no forward has run (an MoE model with the global_batch
+  balancing loss routes the step's micro-batches once here, without gradients: train/moe_balance.py).
 - `micro_batch_context(step, index)` -> a context manager or None: one micro-batch's forward and backward run
   inside it. A pipeline schedule interleaves its micro-batches inside one call, so there a hook with this method
   is refused (ValueError): such a technique wraps the step with `step_context`.
@@ -26,15 +29,36 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
-METHODS = ("step_context", "micro_batch_context", "before_optimizer_step", "after_optimizer_step", "step_metrics")
+import torch
+
+METHODS = (
+    "step_context",
+    "before_forward_backward",
+    "micro_batch_context",
+    "before_optimizer_step",
+    "after_optimizer_step",
+    "step_metrics",
+)
+
+
+@dataclass(frozen=True)
+class StepBatch:
+    """What `before_forward_backward` sees: this rank's rows of the step, split into `n_micro` micro-batches."""
+
+    inputs: torch.Tensor
+    labels: torch.Tensor
+    documents: torch.Tensor | None
+    n_micro: int
 
 
 class TrainHook:
     """Base class of a hook: every method absent (None); a subclass defines the ones it needs (module docstring)."""
 
     step_context: Callable[[int | None], contextlib.AbstractContextManager | None] | None = None
+    before_forward_backward: Callable[[int | None, StepBatch], None] | None = None
     micro_batch_context: Callable[[int | None, int], contextlib.AbstractContextManager | None] | None = None
     before_optimizer_step: Callable[[int | None], None] | None = None
     after_optimizer_step: Callable[[int | None], None] | None = None
@@ -62,6 +86,10 @@ class Hooks:
     def step_context(self, step: int | None) -> Iterator[None]:
         with _entered(m(step) for m in self._methods["step_context"]):
             yield
+
+    def before_forward_backward(self, step: int | None, batch: StepBatch) -> None:
+        for m in self._methods["before_forward_backward"]:
+            m(step, batch)
 
     def micro_batch_context(self, step: int | None) -> Callable[[int], contextlib.AbstractContextManager] | None:
         """What ModelParts.forward_backward enters for micro-batch `index` of this step; None when no hook has one."""

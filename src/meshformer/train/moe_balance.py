@@ -2,8 +2,8 @@
 the ranks, the auxiliary-loss-free routing-bias update and the per-layer load metrics (models/moe/balance.py has
 the losses and what each layer counts).
 
-Pre-pass (`routing_prepass`, called by train_step; only when a layer has the global_batch loss): one forward
-without gradients over each of the rank's micro-batches (`parts.eval_loss`, in training mode and the step's
+Pre-pass (`routing_prepass`, the hook's `before_forward_backward`; only when a layer has the global_batch loss):
+one forward without gradients over each of the rank's micro-batches (`parts.eval_loss`, in training mode and the step's
 autocast, so the routes are the real forwards'), every layer's tokens per expert summed over the loss mesh, before
 the real forwards, which then use the step's global f. Cost: one extra forward per step (about a third of a
 step's compute). Not under pipeline parallelism (models/moe/validate.py refuses it): the pipeline's forward-only
@@ -29,26 +29,25 @@ import torch
 
 from meshformer.models.moe import MoEBlock
 from meshformer.models.moe.balance import recording_routes
-from meshformer.train.hooks import TrainHook, register_hook
+from meshformer.train.hooks import StepBatch, TrainHook, register_hook
 
 
 def moe_blocks(parts) -> list[MoEBlock]:
-    """This rank's MoE layers (cached on the parts)."""
-    if getattr(parts, "_moe_blocks", None) is None:
-        parts._moe_blocks = [m for part in parts.parts for m in part.modules() if isinstance(m, MoEBlock)]
-    return parts._moe_blocks
+    """This rank's MoE layers."""
+    return parts.modules_of(MoEBlock)
 
 
-def routing_prepass(parts, env, inputs, labels, n_micro: int, documents=None) -> None:
+def routing_prepass(parts, env, batch: StepBatch) -> None:
     """Every global_batch layer's `stats.global_counts`: the step's tokens per expert over the loss mesh."""
     blocks = [b for b in moe_blocks(parts) if b.needs_global_counts]
     if not blocks:
         return
     for b in blocks:
         b.stats.prepass = None
-    docs = documents.chunk(n_micro) if documents is not None else [None] * n_micro
+    n_micro = batch.n_micro
+    docs = batch.documents.chunk(n_micro) if batch.documents is not None else [None] * n_micro
     with recording_routes():
-        for x, y, d in zip(inputs.chunk(n_micro), labels.chunk(n_micro), docs):
+        for x, y, d in zip(batch.inputs.chunk(n_micro), batch.labels.chunk(n_micro), docs):
             parts.eval_loss(x, y) if d is None else parts.eval_loss(x, y, d)
     counts = env.reduce_sum(torch.stack([b.stats.prepass for b in blocks]).to(torch.float64), "loss")
     for b, c in zip(blocks, counts):
@@ -59,7 +58,7 @@ class MoeBalanceHook(TrainHook):
     """Resets the layers' statistics per step, sums them over the ranks, moves the routing biases, reports."""
 
     def __init__(self, cfg, parts, env):
-        self.env, self.blocks = env, moe_blocks(parts)
+        self.parts, self.env, self.blocks = parts, env, moe_blocks(parts)
         self.num_layers = cfg.model.model_config.num_layers
         m = cfg.model.model_config.moe_config
         self.rate = m.topk_bias_update_rate if m.balance_via_topk_bias else 0.0
@@ -76,6 +75,9 @@ class MoeBalanceHook(TrainHook):
         for b in self.blocks:
             b.stats.reset()
         return None
+
+    def before_forward_backward(self, step, batch: StepBatch) -> None:
+        routing_prepass(self.parts, self.env, batch)  # only where a layer has the global_batch loss
 
     def before_optimizer_step(self, step) -> None:
         """One reduction of every layer's counts, dropped and routed pairs over the loss mesh."""

@@ -33,8 +33,7 @@ from meshformer.models.registry import family_of
 from meshformer.models.transforms import ModelTransform, apply_model_transforms
 from meshformer.parallel import ModelParts, ParallelEnv, parallelize
 from meshformer.parallel.context_parallel import local_sequence
-from meshformer.train.hooks import Hooks
-from meshformer.train.moe_balance import routing_prepass
+from meshformer.train.hooks import Hooks, StepBatch
 from meshformer.train.optim import Optimizers
 
 
@@ -120,8 +119,8 @@ def train_step(
     stay as they were): one bad batch or overflow must not poison the run. `loss_scale` (fp16, train/loss_scale.py)
     multiplies the loss before backward; the gradients are divided by it before the norm and the update.
     `clock` (observe/timing.StepClock) is lapped at the phase boundaries: fwd_bwd, optim (clip, update, zeroing),
-    other (the token-count and loss reductions). An MoE model with the global_batch balancing loss first routes the
-    step's micro-batches once without gradients (train/moe_balance.py routing_prepass, in fwd_bwd's time).
+    other (the token-count and loss reductions). Hooks' `before_forward_backward` runs in fwd_bwd's time
+    (the MoE balance hook's routing pre-pass).
     """
     hooks = hooks if isinstance(hooks, Hooks) else Hooks(hooks)
     lap = clock.lap if clock is not None else lambda phase: None
@@ -140,7 +139,7 @@ def train_step(
         per_row = (lambda t: env.reduce_sum(t, "cp")) if cp > 1 else None
         totals = StepTotals(float(inputs.numel() * ranks), rows, float(n_micro * ranks), cp, per_row)
         lap("other")
-        routing_prepass(parts, env, inputs, labels, n_micro, documents)  # MoE global-batch balancing only (fwd_bwd)
+        hooks.before_forward_backward(step, StepBatch(inputs, labels, documents, n_micro))  # in fwd_bwd's time
         unit = env.grad_average_size * loss_scale  # normalised aux losses (models/aux_loss.py)
         with collect_aux_losses(scale, unit, totals) as aux:  # aux losses get the main loss's scale
             micro = hooks.micro_batch_context(step)
@@ -192,7 +191,7 @@ def _reduced_aux_losses(
     Every rank must reduce the same names in the same order, and a pipeline stage sees only its own layers'
     names: the ranks agree on the union once, on the first step (models report the same names every step),
     and a rank that lacks one reduces a zero for it. Nothing is read back here."""
-    if getattr(parts, "aux_loss_names", None) is None:
+    if parts.aux_loss_names is None:
         local = sorted((n, n in aux.normalized) for n in aux.sums)
         pairs = {p for got in env.all_gather_object(local) for p in got}
         parts.aux_loss_names = sorted({n for n, _ in pairs})
@@ -208,7 +207,7 @@ def _reduced_aux_losses(
     zero = torch.zeros((), dtype=torch.float64, device=n_tok.device)
     sums = torch.stack([aux.sums[n].to(torch.float64) if n in aux.sums else zero for n in names])
     sums = env.all_reduce_sum_pp(env.reduce_sum(sums, "loss"))
-    normalized = getattr(parts, "aux_loss_normalized", set())
+    normalized = parts.aux_loss_normalized
     denom = torch.stack([torch.ones_like(n_tok) if n in normalized else n_tok for n in names])
     return names, sums / denom
 

@@ -134,8 +134,8 @@ def global_batch_loss(block, route, counts, shape, totals) -> torch.Tensor:
     g = block.stats.global_counts
     if g is None:
         raise RuntimeError(
-            "the global_batch balancing loss needs the step's expert counts first: train_step runs "
-            "train/moe_balance.py routing_prepass before the forwards (a hand-made step must too)"
+            "the global_batch balancing loss needs the step's expert counts first: the MoE balance hook "
+            "(train/moe_balance.py MoeBalanceHook) routes the step before its forwards; pass it to train_step"
         )
     f = g.to(torch.float32) * (block.num_experts / (block.top_k * totals.tokens))
     return (_probs(block, route) @ f).sum() / totals.tokens
