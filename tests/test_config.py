@@ -427,3 +427,16 @@ def test_a_config_without_a_model_section_gets_its_familys_class():
     mc = load_config(None, []).model.model_config
     assert type(mc) is MODEL_CONFIGS.class_of(mc.type)
     assert family_of(mc).param_count(mc) > 6 * 10**9  # the default: Llama 2 7B's shape
+
+
+def test_what_the_loader_records_is_no_setting(tmp_path):
+    """model_fields_given (which model fields the file set, for run_mode finetune) is declared on the config, but
+    it is no setting: not read from YAML, not saved, not explained."""
+    from meshformer.cli.config_cmd import explain_text
+    from meshformer.config.load import to_dict
+
+    cfg = load_config(None, ["--model.model_config.num_layers", "2"])
+    assert cfg.model_fields_given == {"num_layers"}
+    assert "model_fields_given" not in to_dict(cfg) and "model_fields_given" not in explain_text()
+    with pytest.raises(UserError, match="unknown config key 'model_fields_given'"):
+        load_config(None, ["--model_fields_given", "[]"])

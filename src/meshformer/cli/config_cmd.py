@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import dataclasses
 import typing
 
+from meshformer.config.fields import schema_fields
 from meshformer.config.schema import (
     LIST_ITEM_SCHEMAS,
     MeshformerConfig,
@@ -18,7 +18,7 @@ def iter_fields(cls=MeshformerConfig, prefix: str = ""):
     """(dotted name, type text, default, doc, choices) for every leaf field, depth first; under the model config,
     the fields every family has, then each type's own (its family's config class)."""
     hints = typing.get_type_hints(cls)
-    for f in dataclasses.fields(cls):
+    for f in schema_fields(cls):
         name = f"{prefix}{f.name}"
         tp = hints[f.name]
         if is_dataclass_type(tp):

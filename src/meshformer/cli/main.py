@@ -86,14 +86,13 @@ def split_overrides(own: dict[str, argparse.Action], argv: list[str]) -> tuple[l
 
 def is_override(arg: str) -> bool:
     """`--section.field` or `--top_level_field`: a config override rather than a command option."""
-    import dataclasses
-
+    from meshformer.config.fields import schema_fields
     from meshformer.config.schema import MeshformerConfig
 
     if not arg.startswith("--"):
         return False
     key = arg[2:].split("=", 1)[0]
-    return "." in key or key in {f.name for f in dataclasses.fields(MeshformerConfig)}
+    return "." in key or key in {f.name for f in schema_fields(MeshformerConfig)}
 
 
 # What shells report for a standard tool (cat, seq, grep) whose reader went away: 128 + SIGPIPE.
@@ -111,11 +110,10 @@ def parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespac
     if not takes_overrides:
         unknown += overrides
     if unknown:
-        import dataclasses
-
+        from meshformer.config.fields import schema_fields
         from meshformer.config.schema import MeshformerConfig
 
-        fields = [f"--{f.name}" for f in dataclasses.fields(MeshformerConfig)] if takes_overrides else []
+        fields = [f"--{f.name}" for f in schema_fields(MeshformerConfig)] if takes_overrides else []
         raise unrecognized(command.prog, unknown, [*own, *fields], takes_overrides, getattr(args, "option_hints", {}))
     refuse_empty_paths(command, args)
     args.overrides = overrides if takes_overrides else []

@@ -4,7 +4,7 @@ registry outside config/ fills."""
 
 from __future__ import annotations
 
-from dataclasses import MISSING, field
+from dataclasses import MISSING, field, fields
 from typing import Any
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -28,6 +28,17 @@ def setting(
     if isinstance(default, type) and hasattr(default, "__dataclass_fields__"):
         return field(default_factory=default, metadata=meta)
     return field(default=default, metadata=meta)
+
+
+def provenance(default: Any, doc: str) -> Any:
+    """A field the loader fills about where the config came from: no setting (not read from YAML or the command
+    line, not listed by `config explain`, not saved with a checkpoint's config.yaml)."""
+    return field(default=default, init=False, repr=False, compare=False, metadata={"doc": doc, "provenance": True})
+
+
+def schema_fields(cls: type) -> tuple:
+    """A config class's settings: its dataclass fields less the `provenance` ones."""
+    return tuple(f for f in fields(cls) if not f.metadata.get("provenance"))
 
 
 class ModelConfigClasses:

@@ -18,7 +18,7 @@ from typing import Any
 
 import yaml
 
-from meshformer.config.fields import MODEL_CONFIGS
+from meshformer.config.fields import MODEL_CONFIGS, schema_fields
 from meshformer.config.mindspore_keys import IGNORED_KEYS, MODEL_CHANGING_KEYS
 from meshformer.config.schema import (
     LIST_ITEM_SCHEMAS,
@@ -91,7 +91,7 @@ def _spellings(parts: list[str]) -> set[str]:
         if part.isdigit() or not is_dataclass_type(cls):  # a list item: its schema, if it has one
             cls = LIST_ITEM_SCHEMAS.get(tuple(parts[:depth]))
             continue
-        fields = {f.name: f for f in dataclasses.fields(cls)}
+        fields = {f.name: f for f in schema_fields(cls)}
         name = next((n for n, f in fields.items() if part == n or part in f.metadata.get("aliases", ())), None)
         if name is None:
             return set()
@@ -104,7 +104,7 @@ def _spellings(parts: list[str]) -> set[str]:
 
 def _default_section(path: list[str]) -> dict | list:
     """The schema default of a top-level list field (a copy), else an empty mapping."""
-    f = {f.name: f for f in dataclasses.fields(MeshformerConfig)}.get(path[0]) if len(path) == 1 else None
+    f = {f.name: f for f in schema_fields(MeshformerConfig)}.get(path[0]) if len(path) == 1 else None
     default = field_default(f) if f is not None else None
     return copy.deepcopy(default) if isinstance(default, list) else {}
 
@@ -129,7 +129,7 @@ def load_config(
     # Which model fields the file or the command line set (run_mode: finetune fills the others from the base model).
     given = ((data.get("model") or {}).get("model_config") or {}) if isinstance(data.get("model"), dict) else {}
     inner = given.get("moe_config") if isinstance(given, dict) else None
-    cfg.given_model_fields = frozenset(given) | {f"moe_config.{k}" for k in (inner if isinstance(inner, dict) else ())}
+    cfg.model_fields_given = frozenset(given) | {f"moe_config.{k}" for k in (inner if isinstance(inner, dict) else ())}
     from meshformer.config.validate import validate_config
 
     if cfg.run_mode == "finetune" and cfg.load_checkpoint:
@@ -239,7 +239,7 @@ def from_dict(cls: type, data: Any, path: tuple, notices: list[str]) -> Any:
         data = dict(data)
         cls = model_config_class(data, path)
     hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls)}
+    fields = {f.name: f for f in schema_fields(cls)}
     alias_of = {a: f.name for f in fields.values() for a in f.metadata.get("aliases", ())}
     ignored = IGNORED_KEYS.get(path, set())
     kwargs: dict[str, Any] = {}
@@ -378,7 +378,9 @@ def _dot(path: tuple, key: str) -> str:
 
 
 def to_dict(cfg: Any) -> dict:
-    return dataclasses.asdict(cfg)
+    """The config's settings as plain values (what config.yaml holds): provenance fields left out."""
+    values = dataclasses.asdict(cfg)
+    return {f.name: values[f.name] for f in schema_fields(type(cfg))}
 
 
 def print_notices(notices: list[str]) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from meshformer.config.data_schema import DatasetConfig, ProcessorConfig
-from meshformer.config.fields import field_default, is_dataclass_type, setting
+from meshformer.config.fields import field_default, is_dataclass_type, provenance, setting
 from meshformer.config.model_schema import ModelConfig, ModelSection
 
 __all__ = [
@@ -347,6 +347,8 @@ class MeshformerConfig:
     )
     use_parallel: bool = setting(False, "MindSpore switch (accepted; the world size decides).")
     micro_batch_interleave_num: int = setting(1, "MindSpore micro-batch interleave (accepted, no effect).")
+    # The model_config fields the file or the command line set (run_mode finetune takes the others from its base)
+    model_fields_given: frozenset = provenance(frozenset(), "model_config fields the config set (load_config)")
 
 
 # Sub-schemas that appear inside lists.

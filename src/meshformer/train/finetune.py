@@ -66,7 +66,7 @@ def apply_finetune_base(cfg: MeshformerConfig) -> list[str]:
     if not cfg.load_checkpoint:
         raise UserError("run_mode: finetune needs load_checkpoint (a checkpoint, run directory or Hugging Face model)")
     base = base_model_config(cfg.load_checkpoint)
-    given = getattr(cfg, "given_model_fields", frozenset())
+    given = cfg.model_fields_given
     mc = _as_class_of(cfg.model.model_config, base, given)
     cfg.model.model_config = mc
     taken = _take(mc, base, ("type", *SHAPE_FIELDS, *family_of(base).shape_fields), given)
