@@ -59,19 +59,9 @@ def _worst(plan: Plan) -> int:
     return max(s.reserved_bytes for s in plan.stages)
 
 
-def memory_findings(plan: Plan) -> list[Finding]:
-    if plan.fits:
-        return []
-    worst = max(plan.stages, key=lambda s: s.reserved_bytes)
-    m = worst.memory
-    head = (
-        f"out of memory: pipeline rank {m.stage} needs {worst.reserved_bytes / GIB:.1f} GiB of "
-        f"{plan.device_memory / GIB:.1f} GiB (weights {m.params_bytes / GIB:.1f}, gradients {m.grads_bytes / GIB:.1f}, "
-        f"optimizer {m.optimizer_bytes / GIB:.1f}, activations {m.activations_bytes / GIB:.1f}"
-        f"{' (counted on the modules)' if m.activations_counted else ''} for {m.in_flight} "
-        f"micro-batch(es) in flight). Knobs in the order to try them:"
-    )
-    cfg, pc = plan.cfg, plan.cfg.parallel_config
+def _batch_knobs(plan: Plan) -> list[tuple[str, dict]]:
+    """What shrinks the activations in flight: a smaller micro-batch, a schedule that keeps fewer of them."""
+    pc = plan.cfg.parallel_config
     options = []
     mb = plan.micro_batch
     if mb > 1:
@@ -97,6 +87,13 @@ def memory_findings(plan: Plan) -> list[Finding]:
                 {"parallel_config.micro_batch_num": pc.micro_batch_num // 2},
             )
         )
+    return options
+
+
+def _state_knobs(plan: Plan) -> list[tuple[str, dict]]:
+    """What keeps less per rank: recompute, a narrower dtype, sharded or offloaded states, a wider split."""
+    cfg, pc = plan.cfg, plan.cfg.parallel_config
+    options = []
     rc = cfg.recompute_config
     if rc.select_recompute is False and rc.recompute is False:
         options.append(("recompute_config.select_recompute: true", {"recompute_config.select_recompute": True}))
@@ -142,6 +139,22 @@ def memory_findings(plan: Plan) -> list[Finding]:
                     },
                 )
             )
+    return options
+
+
+def memory_findings(plan: Plan) -> list[Finding]:
+    if plan.fits:
+        return []
+    worst = max(plan.stages, key=lambda s: s.reserved_bytes)
+    m = worst.memory
+    head = (
+        f"out of memory: pipeline rank {m.stage} needs {worst.reserved_bytes / GIB:.1f} GiB of "
+        f"{plan.device_memory / GIB:.1f} GiB (weights {m.params_bytes / GIB:.1f}, gradients {m.grads_bytes / GIB:.1f}, "
+        f"optimizer {m.optimizer_bytes / GIB:.1f}, activations {m.activations_bytes / GIB:.1f}"
+        f"{' (counted on the modules)' if m.activations_counted else ''} for {m.in_flight} "
+        f"micro-batch(es) in flight). Knobs in the order to try them:"
+    )
+    options = _batch_knobs(plan) + _state_knobs(plan)
     lines = []
     for text, change in options:
         alt = _variant(plan, **change)

@@ -12,6 +12,30 @@ def _g(n: float) -> str:
     return f"{n / GIB:.2f} GiB"
 
 
+def _stage_lines(plan: Plan, T: int) -> list[str]:
+    """Each pipeline rank's memory, term by term."""
+    mc, dims, tp = plan.cfg.model.model_config, plan.dims, plan.dims.tp
+    lines: list[str] = []
+    for s in plan.stages:
+        m = s.memory
+        lines += [
+            f"pipeline rank {m.stage}: {m.layers} layers",
+            f"  weights {_g(m.params_bytes)}, gradients {_g(m.grads_bytes)} (trainable only), AdamW 2 moments + "
+            f"steps {_g(m.optimizer_bytes)}; divided by tp {tp}, pp (this rank's layers), FSDP {dims.dp_shard}",
+            f"  activations {_g(m.activations_bytes)} = {m.in_flight} micro-batch(es) in flight x the layers' sets "
+            f"(+ last stage's norm and log-softmax T*V/t*4 = {_g(T * mc.vocab_size // tp * 4)}; + receive buffers)",
+            f"  + logits {_g(s.logits_bytes)}, autocast's cached weight copies of recomputed layers "
+            f"{_g(m.autocast_cache_bytes)}, recompute working set {_g(m.recompute_bytes)}, FSDP gathers "
+            f"{_g(s.fsdp_gathered_bytes)}; AdamW step temporaries {_g(s.optimizer_step_bytes)}",
+            f"  allocated = weights + AdamW states + max(activations + FSDP + max(logits + cached copies, recompute) "
+            f"[+ gradients "
+            f"when accumulating or pipelining], gradients + AdamW temporaries) = {_g(s.allocated_bytes)}",
+            f"  reserved = allocated x {1 + FRAGMENTATION:.2f} + runtime {_g(plan.accelerator.runtime(plan.dims))} = "
+            f"{_g(s.reserved_bytes)}; device {_g(plan.device_memory)}: headroom {_g(s.headroom_bytes)}",
+        ]
+    return lines
+
+
 def explain(plan: Plan) -> list[str]:
     cfg, dims, t = plan.cfg, plan.dims, plan.throughput
     mc, pc = cfg.model.model_config, cfg.parallel_config
@@ -43,23 +67,7 @@ def explain(plan: Plan) -> list[str]:
             f"{_g((2 * T * q + 2 * T * kv) * a // tp + 4 * T * mc.num_heads // tp)}",
             f"  SwiGLU      4*T*f*a/t = {_g(4 * T * f * a // tp)}",
         ]
-    for s in plan.stages:
-        m = s.memory
-        lines += [
-            f"pipeline rank {m.stage}: {m.layers} layers",
-            f"  weights {_g(m.params_bytes)}, gradients {_g(m.grads_bytes)} (trainable only), AdamW 2 moments + "
-            f"steps {_g(m.optimizer_bytes)}; divided by tp {tp}, pp (this rank's layers), FSDP {dims.dp_shard}",
-            f"  activations {_g(m.activations_bytes)} = {m.in_flight} micro-batch(es) in flight x the layers' sets "
-            f"(+ last stage's norm and log-softmax T*V/t*4 = {_g(T * mc.vocab_size // tp * 4)}; + receive buffers)",
-            f"  + logits {_g(s.logits_bytes)}, autocast's cached weight copies of recomputed layers "
-            f"{_g(m.autocast_cache_bytes)}, recompute working set {_g(m.recompute_bytes)}, FSDP gathers "
-            f"{_g(s.fsdp_gathered_bytes)}; AdamW step temporaries {_g(s.optimizer_step_bytes)}",
-            f"  allocated = weights + AdamW states + max(activations + FSDP + max(logits + cached copies, recompute) "
-            f"[+ gradients "
-            f"when accumulating or pipelining], gradients + AdamW temporaries) = {_g(s.allocated_bytes)}",
-            f"  reserved = allocated x {1 + FRAGMENTATION:.2f} + runtime {_g(plan.accelerator.runtime(plan.dims))} = "
-            f"{_g(s.reserved_bytes)}; device {_g(plan.device_memory)}: headroom {_g(s.headroom_bytes)}",
-        ]
+    lines += _stage_lines(plan, T)
     embedding = mc.vocab_size * h
     moe = plan.moe
     if moe is not None:

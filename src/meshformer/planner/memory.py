@@ -189,15 +189,19 @@ def _in_flight(cfg: MeshformerConfig, n_micro: int, pp_rank: int) -> int:
     return min(n_micro, pp - pp_rank)
 
 
-def stage_memory(
-    cfg: MeshformerConfig, dims: ParallelDims, pp_rank: int, micro_batch: int, n_micro: int
-) -> StageMemory:
-    """Predicted bytes of one rank of pipeline rank `pp_rank`."""
-    from meshformer.parallel.tp import resolve_plan
+@dataclass(frozen=True)
+class _Regime:
+    """What every piece's activation count on this rank shares: the micro-batch's shape and the stream's dtypes."""
 
+    shape: ActivationShape
+    tokens: int  # of one micro-batch
+    layer_input: int  # bytes of a decoder layer's input (a received pipeline buffer)
+    compute: int  # element bytes of compute_dtype
+    casts_kept: bool  # autocast's low-precision weight copies live with the activations
+
+
+def _regime(cfg: MeshformerConfig, dims: ParallelDims, micro_batch: int) -> _Regime:
     mc, pc = cfg.model.model_config, cfg.parallel_config
-    params, grads, optim, layers, matmul = states_bytes(cfg, dims, pp_rank)
-    pieces = _pieces(cfg, dims, pp_rank)
     dt = {"norm": _size(mc.layernorm_compute_dtype), "compute": _size(mc.compute_dtype)}
     T, tp, sp = micro_batch * mc.seq_length, dims.tp, pc.use_seq_parallel and dims.tp > 1
     # The residual stream is in the stored weights' dtype under autocast (the embedding is not autocast), in the
@@ -206,7 +210,6 @@ def stage_memory(
     gathered_low = autocast and dims.dp > 1  # replicate/fully_shard cast the weights they gather
     residual = dt["compute"] if gathered_low or not autocast else _size(mc.param_init_type)
     casts = residual > dt["compute"]
-    layer_input = T * mc.hidden_size * residual // (tp if sp else 1)
     # FSDP over the experts' own mesh gathers them in the compute dtype only where it shards or replicates them
     experts_gathered_low = gathered_low and (dims.ep == 1 or dims.efsdp * dims.dp_replicate > 1)
     shape = ActivationShape(
@@ -222,63 +225,113 @@ def stage_memory(
         dims.ep,
         expert_copies=autocast and not experts_gathered_low,
     )
+    layer_input = T * mc.hidden_size * residual // (tp if sp else 1)
+    return _Regime(shape, T, layer_input, dt["compute"], autocast and not gathered_low)
+
+
+@dataclass
+class _PieceCount:
+    """One pipeline piece's activations for one micro-batch."""
+
+    kept: int = 0  # bytes it leaves saved until its backward
+    after_w: int | None = 0  # split-backward schedules: what still lives after its W (None: not modelled)
+    swap_host: int = 0  # bytes its swapped layers hold in host memory
+    largest: int = 0  # the largest single backward's working set (a recomputed or swapped layer's)
+    recast: int = 0  # matmul weight elements whose autocast copies are made again in backward
+    counted: bool = False  # counted on the real modules, not by the family's formulas
+
+
+def _count_piece(cfg, dims, pp_rank: int, s: int, piece, last: bool, model, regime: _Regime, swapped) -> _PieceCount:
+    """What piece `s` of this rank saves for one micro-batch, layer by layer under its recompute and swap."""
+    from meshformer.parallel.tp import resolve_plan
+
+    mc = cfg.model.model_config
+    c = _PieceCount()
+    grad = s > 0 or any(p.requires_grad for p in piece.embed_tokens.parameters())
+    n_rc, n_sel = _recomputed_layers(cfg, pp_rank, len(piece.layers))
+    # the resolved plan is not free (a layout search plans hundreds): only for what asks for it
+    wanted = max(n_rc, n_sel) or getattr(model, "needs_styles", True)
+    styles = resolve_plan(piece, _tp_plan(mc, piece)) if dims.tp > 1 and wanted else {}
+    acts = model.piece_activations(mc, piece, regime.shape, grad, not last, styles)
+    c.counted = acts.counted
+    cast_bytes = regime.compute * regime.casts_kept
+    for i, key in enumerate(piece.layers.keys()):
+        la = acts.layers[key]
+        full = la.saved
+        if int(key) in swapped[0]:  # in host memory; backward holds this layer and the prefetched ones
+            c.swap_host += full
+            c.largest = max(c.largest, (1 + swapped[1]) * full)
+        elif i < n_rc:  # recomputed: keeps its input; its backward holds the full set again, one layer at a time
+            c.kept += la.full_recompute
+            c.recast += (cast := _layer_matmul_elements(piece, key, styles, dims.tp))
+            c.largest = max(c.largest, full + cast * cast_bytes)
+            if c.after_w is not None:  # the input outlives W; what the recompute makes dies within I
+                c.after_w += la.full_recompute
+        elif i < n_sel:  # selective: keeps the matmul, attention and collective outputs
+            c.kept += la.selective
+            c.recast += (cast := _layer_matmul_elements(piece, key, styles, dims.tp))
+            c.largest = max(c.largest, full + cast * cast_bytes)
+        else:
+            c.kept += full
+            if c.after_w is not None:
+                c.after_w = None if la.after_w is None else c.after_w + la.after_w
+        if n_rc <= i < n_sel or int(key) in swapped[0]:
+            c.after_w = None  # selective recompute or swap under a split backward: not modelled (kept whole)
+        grad = la.grad_out
+    if last:
+        _add_head(c, acts.head, regime.tokens * math.ceil(mc.vocab_size / dims.tp) * _size(mc.softmax_compute_dtype))
+    return c
+
+
+def _add_head(c: _PieceCount, head, log_softmax: int) -> None:
+    """The last stage's head and the loss's log-softmax (not on W's path; the head's part as its model says)."""
+    c.kept += (head.saved if head is not None else 0) + log_softmax
+    if c.after_w is not None:
+        head_after_w = head.after_w if head is not None else 0
+        c.after_w = None if head_after_w is None else c.after_w + head_after_w + log_softmax
+
+
+def stage_memory(
+    cfg: MeshformerConfig, dims: ParallelDims, pp_rank: int, micro_batch: int, n_micro: int
+) -> StageMemory:
+    """Predicted bytes of one rank of pipeline rank `pp_rank`."""
+    pc = cfg.parallel_config
+    params, grads, optim, layers, matmul = states_bytes(cfg, dims, pp_rank)
+    pieces = _pieces(cfg, dims, pp_rank)
+    regime = _regime(cfg, dims, micro_batch)
     n_stages = pc.pipeline_stage * _stages_per_rank(cfg)
-    largest = 0
-    swapped, swap_host = _swapped_layers(cfg, pieces), {}
+    swapped, model = _swapped_layers(cfg, pieces), activation_model(cfg.model.model_config)
     per_stage, buffer = {}, {}  # bytes a micro-batch leaves saved on each stage; a later stage's received input
-    after_w = {}  # split-backward schedules: what a micro-batch still holds after its W (split_backward_kept_bytes)
+    after_w, swap_host = {}, {}  # split-backward schedules: what a micro-batch still holds after its W
     # Matmul weight elements of recomputed layers: their autocast copies are not kept but made again in backward,
     # with the layer's activations (the selective policy keeps matmul outputs, not casts).
-    recast, casts_kept = 0, autocast and not gathered_low
-    model, counted = activation_model(mc), False
+    largest = recast = 0
+    counted = False
     for s, piece in pieces:
-        kept = kept_after_w = 0
-        grad = s > 0 or any(p.requires_grad for p in piece.embed_tokens.parameters())
-        n_rc, n_sel = _recomputed_layers(cfg, pp_rank, len(piece.layers))
-        # the resolved plan is not free (a layout search plans hundreds): only for what asks for it
-        wanted = max(n_rc, n_sel) or getattr(model, "needs_styles", True)
-        styles = resolve_plan(piece, _tp_plan(mc, piece)) if dims.tp > 1 and wanted else {}
-        acts = model.piece_activations(mc, piece, shape, grad, s < n_stages - 1, styles)
-        counted = counted or acts.counted
-        swap_host[s] = 0
-        for i, key in enumerate(piece.layers.keys()):
-            la = acts.layers[key]
-            full = la.saved
-            if int(key) in swapped[0]:  # in host memory; backward holds this layer and the prefetched ones
-                swap_host[s] += full
-                largest = max(largest, (1 + swapped[1]) * full)
-            elif i < n_rc:  # recomputed: keeps its input; its backward holds the full set again, one layer at a time
-                kept += la.full_recompute
-                recast += (cast := _layer_matmul_elements(piece, key, styles, dims.tp))
-                largest = max(largest, full + cast * dt["compute"] * casts_kept)
-                if kept_after_w is not None:  # the input outlives W; what the recompute makes dies within I
-                    kept_after_w += la.full_recompute
-            elif i < n_sel:  # selective: keeps the matmul, attention and collective outputs
-                kept += la.selective
-                recast += (cast := _layer_matmul_elements(piece, key, styles, dims.tp))
-                largest = max(largest, full + cast * dt["compute"] * casts_kept)
-            else:
-                kept += full
-                if kept_after_w is not None:
-                    kept_after_w = None if la.after_w is None else kept_after_w + la.after_w
-            if n_rc <= i < n_sel or int(key) in swapped[0]:
-                kept_after_w = None  # selective recompute or swap under a split backward: not modelled (kept whole)
-            grad = la.grad_out
-        if s == n_stages - 1:
-            head = acts.head
-            kept += head.saved if head is not None else 0
-            kept += T * math.ceil(mc.vocab_size / tp) * _size(mc.softmax_compute_dtype)  # log-softmax
-            if kept_after_w is not None:  # the log-softmax is not on W's path; the head's part as its model says
-                head_after_w = head.after_w if head is not None else 0
-                kept_after_w = None if head_after_w is None else kept_after_w + head_after_w
-            if kept_after_w is not None:
-                kept_after_w += T * math.ceil(mc.vocab_size / tp) * _size(mc.softmax_compute_dtype)
-        per_stage[s] = kept
+        c = _count_piece(cfg, dims, pp_rank, s, piece, s == n_stages - 1, model, regime, swapped)
+        counted, largest, recast = counted or c.counted, max(largest, c.largest), recast + c.recast
+        per_stage[s], swap_host[s] = c.kept, c.swap_host
         # Every micro-batch's input arrives in a buffer of its own, alive through the step; an in-flight one is
         # its first layer's input (counted in `kept`).
-        buffer[s] = layer_input if s > 0 else 0
+        buffer[s] = regime.layer_input if s > 0 else 0
         # The first stage's W is its whole backward (it has no input gradient to split off): it frees everything.
-        after_w[s] = 0 if s == 0 else per_stage[s] if kept_after_w is None else kept_after_w
+        after_w[s] = 0 if s == 0 else c.kept if c.after_w is None else c.after_w
+    live, k, host = _live_activations(cfg, dims, pp_rank, n_micro, per_stage, buffer, after_w, swap_host)
+    activations = live + (n_micro * sum(buffer.values()) if dims.pp > 1 else 0)
+    if dims.pp > 1 and pc.pipeline_schedule in V_SCHEDULES and pp_rank == dims.pp - 1:
+        # The V's turn: stage pp hands its input gradient to stage pp - 1 on the same rank, and torch keeps each
+        # micro-batch's (stage.set_local_bwd_input: grad_recv_info[mb].buffer, never cleared) past the step's end.
+        activations += n_micro * regime.layer_input
+    if regime.casts_kept:
+        activations += (matmul - recast) * regime.compute  # autocast's low-precision weight copies, one per region
+    cache = recast * regime.compute if regime.casts_kept else 0
+    return StageMemory(pp_rank, layers, params, grads, optim, activations, k, largest, host, cache, counted)
+
+
+def _live_activations(cfg, dims, pp_rank: int, n_micro: int, per_stage, buffer, after_w, swap_host):
+    """(peak activation bytes alive on this rank, micro-batches in flight at it, host bytes of swapped layers):
+    replayed from the pipeline schedule's actions, or k in flight times each stage's share without one."""
+    pc = cfg.parallel_config
     actions = None
     if dims.pp > 1:
         from meshformer.parallel.pipeline import stage_ids
@@ -294,19 +347,9 @@ def stage_memory(
             {s: max(0, after_w[s] - buffer[s]) for s in per_stage},
         )
         host, _ = peak_live(actions, swap_host)
-    else:
-        k = _in_flight(cfg, n_micro, pp_rank)
-        live = sum(k * (per_stage[s] - buffer[s]) for s in per_stage)
-        host = k * sum(swap_host.values())
-    activations = live + (n_micro * sum(buffer.values()) if dims.pp > 1 else 0)
-    if dims.pp > 1 and pc.pipeline_schedule in V_SCHEDULES and pp_rank == dims.pp - 1:
-        # The V's turn: stage pp hands its input gradient to stage pp - 1 on the same rank, and torch keeps each
-        # micro-batch's (stage.set_local_bwd_input: grad_recv_info[mb].buffer, never cleared) past the step's end.
-        activations += n_micro * layer_input
-    if casts_kept:
-        activations += (matmul - recast) * dt["compute"]  # autocast's low-precision weight copies, one per region
-    cache = recast * dt["compute"] if casts_kept else 0
-    return StageMemory(pp_rank, layers, params, grads, optim, activations, k, largest, host, cache, counted)
+        return live, k, host
+    k = _in_flight(cfg, n_micro, pp_rank)
+    return sum(k * (per_stage[s] - buffer[s]) for s in per_stage), k, k * sum(swap_host.values())
 
 
 def activation_model(mc: ModelConfig) -> ActivationModel:
