@@ -45,6 +45,7 @@ WORLD2 = [
     "cp2:moe_bal_seq",
     "cp2_ep2:moe_bal_seq",
     "cp2:mistral",  # the sliding window (SEQ // 4 keys) across the cp chunks
+    "cp2:gpt_oss",  # the sinks and the alternating window across the cp chunks
 ]
 WORLD4 = [
     "cp4",
@@ -73,7 +74,7 @@ def _torchrun(nproc: int, jobs: list[str], where: Path) -> dict:
 @pytest.fixture(scope="module")
 def reference() -> dict:
     variants = ("fp32", "packed", "lora", "moe", "moe_bal_gb", "moe_bal_seq", "deepseek_v3", "deepseek_v3_gb")
-    variants += ("deepseek_v3_gb_packed", "mistral")
+    variants += ("deepseek_v3_gb_packed", "mistral", "gpt_oss")
     return {v: harness.run_case(None, v, world_size=1)[0] for v in variants}
 
 

@@ -43,6 +43,12 @@ WORLD2 = [
     "fsdp2_ep2:deepseek_v3",
     "pp2_1f1b:deepseek_v3",
     "dp2_rc_accum:deepseek_v3",
+    # GPT-OSS: biased router and experts (the biases sharded with their experts), sinks, alternating windows
+    "fsdp2_ep2:gpt_oss",
+    "fsdp2:gpt_oss",
+    "tp2:gpt_oss",
+    "tp2_sp_accum:gpt_oss",
+    "pp2_1f1b:gpt_oss",
 ]
 WORLD4 = [
     "fsdp4_ep4:moe",

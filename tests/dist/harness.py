@@ -186,7 +186,8 @@ VARIANTS["deepseek_v3"] = {
     _E + "aux_loss_types": ["sequence"], _E + "aux_loss_factors": [0.001],
     _E + "balance_via_topk_bias": True, _E + "topk_bias_update_rate": 0.01,
 }  # fmt: skip
-MOE_VARIANTS = ("moe", "moe_bal", "moe_bal_seq", "moe_lora", "moe_bf16", "deepseek_v3")  # tests/test_expert_parallel.py
+# tests/test_expert_parallel.py
+MOE_VARIANTS = ("moe", "moe_bal", "moe_bal_seq", "moe_lora", "moe_bf16", "deepseek_v3", "gpt_oss")
 # DeepSeek-V3 with the global-batch balancing loss instead of the sequence-wise one (tests/test_context_parallel.py
 # runs both); "_packed": every row packs several documents, as "packed"
 VARIANTS["deepseek_v3_gb"] = {
@@ -201,6 +202,14 @@ WINDOW = SEQ // 4
 VARIANTS["mistral"] = {
     _M + "type": "MistralConfig", _M + "qkv_has_bias": False, _M + "use_qk_norm": False,
     _M + "sliding_window": WINDOW,
+}  # fmt: skip
+# GPT-OSS-shaped: biased attention with learned sinks, layers alternating a sliding window of SEQ // 4 keys and full
+# attention, YaRN (truncate false), every layer 8 experts top-2 with router and expert biases and the clamped SwiGLU.
+VARIANTS["gpt_oss"] = {
+    _M + "type": "GptOssConfig", _M + "use_qk_norm": False, _M + "sliding_window": WINDOW,
+    _M + "rope_scaling.type": "yarn", _M + "rope_scaling.factor": 4.0,
+    _M + "rope_scaling.original_max_position_embeddings": 8,
+    _E + "expert_num": 8, _E + "num_experts_chosen": 2, _E + "moe_intermediate_size": 32,
 }  # fmt: skip
 VARIANTS["moe_bal_seq"] = {
     **BALANCE,

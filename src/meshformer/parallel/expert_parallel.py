@@ -1,7 +1,7 @@
 """Expert parallelism (`parallel_config.expert_parallel`): each MoE layer's routed experts split over the `ep` mesh.
 
-`apply_expert_parallel` makes every `GroupedExperts` weight a DTensor sharded by expert (Shard(0)) over "ep" (the
-ranks parallel/dims.py lends it from dp_shard x cp), so a distributed checkpoint reshards to any other ep, and
+`apply_expert_parallel` makes every `GroupedExperts` weight (and bias) a DTensor sharded by expert (Shard(0)) over
+"ep" (the ranks parallel/dims.py lends it from dp_shard x cp), so a distributed checkpoint reshards to any other ep, and
 wraps the experts' forward:
 
 1. all-to-all of the per-expert row counts (this rank's counts for every expert -> every rank's counts for this
@@ -35,16 +35,14 @@ from meshformer.backends.torch_private import all_to_all_autograd
 from meshformer.models.moe.experts import GroupedExperts
 from meshformer.parallel.env import ParallelEnv
 
-WEIGHTS = ("gate_proj", "up_proj", "down_proj")
-
 
 def routed_experts(model: nn.Module) -> list[GroupedExperts]:
     return [m for m in model.modules() if isinstance(m, GroupedExperts)]
 
 
 def expert_params(model: nn.Module) -> set[nn.Parameter]:
-    """The routed experts' weights (what FSDP over the dense mesh must leave to the experts' own mesh)."""
-    return {getattr(m, name) for m in routed_experts(model) for name in WEIGHTS}
+    """The routed experts' weights and biases (what FSDP over the dense mesh must leave to the experts' own mesh)."""
+    return {getattr(m, name) for m in routed_experts(model) for name in m.weight_names()}
 
 
 def apply_expert_parallel(model: nn.Module, env: ParallelEnv) -> None:
@@ -53,7 +51,7 @@ def apply_expert_parallel(model: nn.Module, env: ParallelEnv) -> None:
         return
     mesh = env.mesh_for("ep")
     for experts in routed_experts(model):
-        for name in WEIGHTS:
+        for name in experts.weight_names():  # biases too: each expert's bias lives with its weights
             p = getattr(experts, name)
             local = p.to_local() if isinstance(p, DTensor) else p  # replicated over tp: whole on every tp rank
             sharded = distribute_tensor(local.detach(), mesh, [Shard(0)], src_data_rank=None)

@@ -16,6 +16,9 @@ into a torch ParallelStyle (the Megatron recipe) and applies it:
   head_norm        per-head norm (q/k norm) over the heads this rank holds
   gather_sequence  a module that needs the whole sequence (attention, MLP): under sequence parallelism its first
                    input is all-gathered from sequence shards; nothing otherwise
+  attention_heads  gather_sequence, and the module's own parameters (not its submodules'), each one value per
+                   query head ([heads, ...], learned attention sinks), split by head as the colwise q_proj splits
+                   the heads; the module computes with their local shards
   rowwise_full     rowwise with the whole output on every rank, even under sequence parallelism (shared experts)
   whole            weights whole on every rank, computed on local tensors (MoE router, routed experts)
   replicated_local a small linear whose weight is whole on every rank, local in and out (Qwen2-MoE's shared-expert
@@ -40,7 +43,7 @@ import fnmatch
 from functools import partial
 
 from torch import nn
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 
 
@@ -117,6 +120,21 @@ class GatherSequence(ParallelStyle):
         return module
 
 
+class HeadParams(ParallelStyle):
+    """`gather_sequence` (under sequence parallelism) and the module's own parameters sharded by query head
+    (Shard(0)): rank r holds the heads its column-parallel q_proj computes. The module reads `to_local()`."""
+
+    def __init__(self, seq_parallel: bool):
+        super().__init__()
+        self.seq_parallel = seq_parallel
+
+    def _apply(self, module: nn.Module, mesh) -> nn.Module:
+        for name, p in list(module.named_parameters(recurse=False)):
+            sharded = distribute_tensor(p.detach(), mesh, [Shard(0)], src_data_rank=None)
+            module.register_parameter(name, nn.Parameter(sharded, requires_grad=p.requires_grad))
+        return GatherSequence()._apply(module, mesh) if self.seq_parallel else module
+
+
 class SumGradient(ParallelStyle):
     """Identity on the first input; its gradient is summed over tp in backward (the local gradient declared a
     partial sum, which DTensor all-reduces on the way back to the replicated input)."""
@@ -170,6 +188,7 @@ def make_style(name: str, seq_parallel: bool) -> ParallelStyle | None:
         "norm_to_head": lambda: NormParallel(seq, Replicate()),
         "head_norm": lambda: NormParallel(Shard(2)),
         "gather_sequence": lambda: GatherSequence() if seq_parallel else None,
+        "attention_heads": lambda: HeadParams(seq_parallel),
         "rowwise_full": lambda: RowwiseParallel(output_layouts=Replicate()),
         "whole": lambda: Whole(),
         "sum_grad": lambda: SumGradient(),

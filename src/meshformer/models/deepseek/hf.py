@@ -162,6 +162,9 @@ def _refuse_unexportable(mc: ModelConfig, model_type: str) -> None:
         "decoder_sparse_step": m.decoder_sparse_step != 1,
         "mlp_only_layers": bool(m.mlp_only_layers),
         "rope_interleave": not mc.rope_interleave and not v3,
+        "router_bias": m.router_bias,
+        "expert_bias": m.expert_bias,
+        "expert_activation": m.expert_activation != "silu",
     }
     for key, bad in problems.items():
         if bad:

@@ -179,14 +179,19 @@ class Attention(nn.Module):
             allowed = window_band(torch.arange(cache.pos, cache.pos + s, device=x.device), key_positions, self.window)
             if mask is not None:  # document_layout's mask: a column per position; a ring keeps some of them
                 mask = mask if mask.shape[-1] == key_positions.shape[0] else mask.index_select(-1, key_positions)
-            out = sdpa(q, k, v, allowed if mask is None else mask & allowed, sinks=self.sinks)
+            out = sdpa(q, k, v, allowed if mask is None else mask & allowed, sinks=self.local_sinks())
         return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
 
     def attend_options(self) -> dict:
         """The window and sinks for `attend`, only those set (context parallelism's installed `attend` takes them
         too, banding the global positions)."""
         options = {} if self.window is None else {"window": self.window}
-        return options if self.sinks is None else {**options, "sinks": self.sinks}
+        return options if self.sinks is None else {**options, "sinks": self.local_sinks()}
+
+    def local_sinks(self) -> torch.Tensor | None:
+        """The sinks of the heads this module computes (their shard under tensor parallelism, which splits the
+        heads: parallel/tp.py `attention_heads`)."""
+        return self.sinks.to_local() if hasattr(self.sinks, "to_local") else self.sinks
 
 
 class MLP(nn.Module):

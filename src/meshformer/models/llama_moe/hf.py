@@ -139,6 +139,9 @@ def _refuse_export(mc: ModelConfig, model_type: str) -> None:
         (m.topk_method != "greedy", f"{M}.topk_method={m.topk_method} (it routes greedily over all experts)"),
         (m.routed_scaling_factor != 1.0, f"{M}.routed_scaling_factor={m.routed_scaling_factor} (it has none)"),
         (m.balance_via_topk_bias, f"{M}.balance_via_topk_bias=true (it has no routing bias)"),
+        (m.router_bias, f"{M}.router_bias=true (its router has no bias)"),
+        (m.expert_bias, f"{M}.expert_bias=true (its experts have no biases)"),
+        (m.expert_activation != "silu", f"{M}.expert_activation={m.expert_activation} (its experts are SwiGLU)"),
         (model_type == "mixtral" and not m.norm_topk_prob, f"{M}.norm_topk_prob=false (Mixtral renormalises)"),
         (model_type == "mixtral" and len(sparse) != mc.num_layers, "dense layers (every Mixtral layer is sparse)"),
         (

@@ -11,7 +11,9 @@ stream's):
     rows        the R dispatched rows as the experts compute them, R h e (a cast copy under autocast), saved by
                 the gate and up matmuls for their weight gradients: only when the experts train
     experts     gate output (silu's input), silu and up output (their product's inputs) 3 R F e, and the product
-                R F e (the down matmul's input, for its weight gradient: only when the experts train)
+                R F e (the down matmul's input, for its weight gradient: only when the experts train); the clamped
+                SwiGLU (expert_activation) saves 6 R F e instead of 3: both clamps' inputs, the sigmoid's output,
+                the clamped gate, up + 1 and the gated product (measured on the block)
     weights     autocast's copies of the experts' weights, 3 E F h e for the E experts of this rank, when they are
                 stored wider than e (no data parallelism gathers them in the compute dtype): saved for the input
                 gradients, one copy per micro-batch (the cast is explicit: autocast's cache does not hold it)
@@ -37,7 +39,8 @@ def routed_bytes(
     m = mc.moe_config
     T, h, E, k, F = tokens, mc.hidden_size, m.expert_num, m.num_experts_chosen, mc.expert_ffn_size
     R = T * k
-    saved = (R * h if trains else 0) + (4 if trains else 3) * R * F + R * h + T * k
+    glu = 6 if m.expert_activation == "clamped_swiglu" else 3  # tensors of R x F the gated activation saves
+    saved = (R * h if trains else 0) + (glu + 1 if trains else glu) * R * F + R * h + T * k
     if weight_copies:
         saved += 3 * (E // ep) * F * h
     kept = (2 * R * F + R * h) * experts if matmuls_kept else 0

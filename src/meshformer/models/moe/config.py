@@ -62,6 +62,16 @@ class MoeConfig:
         False, "Auxiliary-loss-free balancing: after each step move the routing bias by rate x sign(mean load - load)."
     )
     topk_bias_update_rate: float = setting(0.001, "Step of the routing-bias update (balance_via_topk_bias).", ge=0)
+    router_bias: bool = setting(False, "The router's linear has a bias per expert (GPT-OSS).")
+    expert_bias: bool = setting(False, "The routed experts' gate, up and down projections have biases (GPT-OSS).")
+    expert_activation: str = setting(
+        "silu",
+        "Routed experts' gated activation: silu (SwiGLU), or clamped_swiglu ((up + 1) x gate x sigmoid(alpha x gate), "
+        "gate clamped above and up both ways at swiglu_limit: GPT-OSS).",
+        choices=("silu", "clamped_swiglu"),
+    )
+    swiglu_alpha: float = setting(1.702, "clamped_swiglu: the sigmoid's gain alpha.", gt=0)
+    swiglu_limit: float = setting(7.0, "clamped_swiglu: the clamp of gate (from above) and up (both ways).", gt=0)
     use_gmm: bool | None = setting(
         None, "Routed experts by grouped matmuls (true) or a per-expert loop (false); default: grouped where it runs."
     )
@@ -88,6 +98,11 @@ MOE_SHAPE_FIELDS = tuple(
         "first_k_dense_replace",
         "decoder_sparse_step",
         "mlp_only_layers",
+        "router_bias",
+        "expert_bias",
+        "expert_activation",
+        "swiglu_alpha",
+        "swiglu_limit",
     )
 )
 

@@ -46,7 +46,10 @@ class MoEBlock(nn.Module):
         self.config = m
         self.num_experts, self.top_k = m.expert_num, m.num_experts_chosen
         self.gate = Router(mc)
-        self.experts = GroupedExperts(m.expert_num, mc.hidden_size, mc.expert_ffn_size, m.use_gmm)
+        self.experts = GroupedExperts(
+            m.expert_num, mc.hidden_size, mc.expert_ffn_size, m.use_gmm,
+            m.expert_bias, m.expert_activation, m.swiglu_alpha, m.swiglu_limit,
+        )  # fmt: skip
         shared = mc.shared_ffn_size
         self.shared_experts = SwiGLU(mc.hidden_size, shared) if shared else None
         self.shared_expert_gate = nn.Linear(mc.hidden_size, 1, bias=False) if shared and m.shared_expert_gate else None

@@ -29,8 +29,9 @@ class RouterOutput:
 
 
 class Router(nn.Module):
-    """weight [experts, hidden] (Hugging Face's `mlp.gate.weight`); `e_score_correction_bias` [experts], a persistent
-    fp32 buffer, where routing uses one (noaux_tc, or balance_via_topk_bias)."""
+    """weight [experts, hidden] (Hugging Face's `mlp.gate.weight`) and, with `router_bias`, bias [experts] added to the
+    logits; `e_score_correction_bias` [experts], a persistent fp32 buffer, where routing uses one (noaux_tc, or
+    balance_via_topk_bias)."""
 
     def __init__(self, mc: ModelConfig):
         super().__init__()
@@ -40,6 +41,7 @@ class Router(nn.Module):
         self.topk_method, self.n_group, self.topk_group = m.topk_method, m.n_group, m.topk_group
         self.norm_topk_prob, self.scaling = m.norm_topk_prob, m.routed_scaling_factor
         self.weight = nn.Parameter(torch.empty(m.expert_num, mc.hidden_size))
+        self.register_parameter("bias", nn.Parameter(torch.empty(m.expert_num)) if m.router_bias else None)
         if m.topk_method == "noaux_tc" or m.balance_via_topk_bias:
             self.register_buffer("e_score_correction_bias", torch.zeros(m.expert_num, dtype=torch.float32))
         else:
@@ -53,8 +55,9 @@ class Router(nn.Module):
     def forward(self, x: torch.Tensor) -> RouterOutput:
         """x: [tokens, hidden]."""
         weight = self.weight.to_local() if hasattr(self.weight, "to_local") else self.weight  # replicated over tp
+        bias = None if self.bias is None else (self.bias.to_local() if hasattr(self.bias, "to_local") else self.bias)
         with torch.autocast(x.device.type, enabled=False):  # fp32 even inside a bf16 step's autocast
-            logits = F.linear(x.float(), weight.float())
+            logits = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
         scores = logits.sigmoid() if self.sigmoid else logits.softmax(dim=-1)
         bias = self.e_score_correction_bias
         if bias is not None:  # replicated over tp like the weight (a DTensor there)
