@@ -119,7 +119,7 @@ METRICS = (
 )
 
 
-@pytest.mark.parametrize("kind", pl.DPO_LOSS_TYPES)
+@pytest.mark.parametrize("kind", [k for k in pl.DPO_LOSS_TYPES if k != "cdpo"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_each_dpo_loss_type_equals_trl(kind, dtype):
     eps = 0.1 if kind in ("robust", "exo_pair") else 0.0
@@ -150,6 +150,25 @@ def test_sigmoid_has_no_label_smoothing_in_trl_1_16():
     cdpo, _ = _ours_dpo(["robust"], None, 0.1, 0.2, *batch)
     _close(ours, theirs)
     assert abs(float(cdpo) - float(theirs)) > 1e-4
+
+
+def test_cdpo_is_the_conservative_sigmoid_of_trl_cpo_and_old_dpo():
+    from trl.experimental.cpo import CPOTrainer
+
+    completion, per_token, ref = _pairs(seed=8)
+    ours, _ = _ours_dpo(["cdpo"], None, 0.3, 0.2, completion, per_token, ref)
+    p = completion.shape[0] // 2
+    ratios = per_token.sum(1) - ref  # CPO's sigmoid on (r_c, r_r) is -(1-eps) log sig(beta D) - eps log sig(-beta D)
+    stub = SimpleNamespace(beta=0.3, label_smoothing=0.2, loss_type="sigmoid", alpha=0.0, accelerator=_Accelerator())
+    theirs, _, _ = CPOTrainer.cpo_loss(stub, ratios[:p], ratios[p:])
+    _close(ours, theirs.mean(), "cdpo")
+
+
+def test_the_config_names_the_loss_types_built():
+    from meshformer.config import preference_schema
+
+    assert preference_schema.DPO_LOSS_TYPES == pl.DPO_LOSS_TYPES
+    assert preference_schema.KTO_LOSS_TYPES == pl.KTO_LOSS_TYPES
 
 
 def _kto_self(beta, wd, wu, loss_type):

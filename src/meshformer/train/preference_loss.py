@@ -31,8 +31,10 @@ import math
 import torch
 import torch.nn.functional as F
 
-# TRL 1.16 DPOConfig loss types built here. Not built: aot / aot_unpaired (they sort log-ratios across the whole
-# per-device batch, so their value depends on how a layout splits it) and f_divergence_type other than reverse_kl.
+# TRL 1.16 DPOConfig loss types built here, plus cdpo: the conservative sigmoid -(1-eps) log sig(z) - eps log sig(-z)
+# that TRL <= 0.28, LLaMA-Factory and torchtune call "sigmoid" (TRL 1.16's sigmoid has no smoothing). Not built:
+# aot / aot_unpaired (they sort log-ratios across the whole per-device batch, so their value depends on how a
+# layout splits it) and f_divergence_type other than reverse_kl.
 DPO_LOSS_TYPES = (
     "sigmoid",
     "hinge",
@@ -47,6 +49,7 @@ DPO_LOSS_TYPES = (
     "discopop",
     "sft",
     "sigmoid_norm",
+    "cdpo",
 )
 KTO_LOSS_TYPES = ("kto", "apo_zero_unpaired")
 DISCOPOP_TAU = 0.05  # TRL DPOConfig.discopop_tau default
@@ -99,6 +102,8 @@ def _dpo_term(kind: str, beta: float, eps: float, rc, rr, lc, lr, chosen_logps):
     z = beta * (rc - rr)
     if kind == "sigmoid":
         return -F.logsigmoid(z)
+    if kind == "cdpo":
+        return -(1 - eps) * F.logsigmoid(z) - eps * F.logsigmoid(-z)
     if kind == "hinge":
         return torch.relu(1 - z)
     if kind == "ipo":
