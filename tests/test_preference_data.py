@@ -234,3 +234,35 @@ def test_a_prompt_longer_than_max_length_everywhere_is_refused(tmp_path, tokeniz
     argv = ["preprocess", "--input", str(src), "--tokenizer", str(tokenizer_dir), "--output", str(tmp_path / "o")]
     fails(capsys, [*argv, "--max-length", "2"], "no usable preference examples", "all 4", "max_length=2")
     assert not (tmp_path / "o").exists()
+
+
+def test_a_tokenizer_that_adds_bos_gives_trls_ids(tmp_path, tokenizer_dir):
+    """The BOS the tokenizer's post-processor adds comes once, at the start of the prompt, as in TRL."""
+    from tokenizers import Tokenizer, processors
+
+    bos_dir = tmp_path / "bos_tok"
+    bos_dir.mkdir()
+    tok = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
+    bos = tok.token_to_id("<|endoftext|>")
+    single = processors.TemplateProcessing(single="<|endoftext|> $A", special_tokens=[("<|endoftext|>", bos)])
+    tok.post_processor = processors.Sequence([processors.ByteLevel(trim_offsets=False), single])
+    tok.save(str(bos_dir / "tokenizer.json"))
+    cfg = json.loads((tokenizer_dir / "tokenizer_config.json").read_text())
+    (bos_dir / "tokenizer_config.json").write_text(json.dumps({**cfg, "add_bos_token": True}))
+    ours, _ = _our_rows(_preprocess(tmp_path, PLAIN, bos_dir))
+    assert all(chosen[0][0] == bos and chosen[0][1] != bos for chosen, _ in ours)
+    assert ours == _trl_rows(PLAIN, bos_dir)
+
+
+@pytest.mark.parametrize(
+    "fmt, records, needles",
+    [
+        ("kto", PLAIN[:1], ("pairs.jsonl:1", "'completion' is missing")),
+        ("preference", [{"instruction": "a", "output": "b"}], ("pairs.jsonl:1", "'chosen' and 'rejected' missing")),
+        ("auto", [{"conversations": [{"from": "human", "value": "a"}], "kto_tag": True}], ("pairs.jsonl:1", "kto_tag")),
+    ],
+)
+def test_format_forces_the_kind_and_refuses_what_does_not_fit(tmp_path, tokenizer_dir, capsys, fmt, records, needles):
+    src = _write(tmp_path / "pairs.jsonl", records)
+    argv = ["preprocess", "--input", str(src), "--tokenizer", str(tokenizer_dir), "--output", str(tmp_path / "o")]
+    fails(capsys, [*argv, "--format", fmt], *needles)

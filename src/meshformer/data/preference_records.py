@@ -38,13 +38,13 @@ def detect_kind(record: dict) -> str | None:
 
 def to_pair(record: dict, where: str) -> dict:
     """{prompt, chosen, rejected}: three strings, or three message lists."""
-    for key in PAIR_FIELDS:
-        if key not in record:
-            other = PAIR_FIELDS[1 - PAIR_FIELDS.index(key)]
-            raise UserError(
-                f"{where}: a preference record has {other!r} but no {key!r}: give both completions of the pair "
-                f"(fields: {sorted(record)[:6]})"
-            )
+    missing = [key for key in PAIR_FIELDS if key not in record]
+    if missing:
+        what = " and ".join(map(repr, missing))
+        raise UserError(
+            f"{where}: a preference record needs 'chosen' and 'rejected'; {what} missing: give both completions of "
+            f"the pair (fields: {sorted(record)[:6]})"
+        )
     if "conversations" in record:
         prompt = _sharegpt_prompt(record, where)
         chosen = [_sharegpt_turn(record["chosen"], where, "chosen")]
