@@ -29,8 +29,9 @@ demo: $(STAMP)
 	$(BIN)/meshformer train configs/demo_shakespeare.yaml
 	$(BIN)/meshformer generate --checkpoint runs/demo --prompt "ROMEO." --max-new-tokens 80 --top-p 0.9 --temperature 0.8 --seed 0
 
-# The references the tests compare with (megatron-core, mindspore, datasets): `make test` only, not `make demo`.
-$(REFS_STAMP): $(STAMP)
+# The references the tests compare with (megatron-core, mindspore, datasets, trl): `make test` only, not `make demo`;
+# reinstalled when pyproject.toml changes (a new reference joins the refs extra).
+$(REFS_STAMP): $(STAMP) pyproject.toml
 	$(BIN)/pip install --quiet --disable-pip-version-check -e '.[test,refs]'
 	touch $@
 

@@ -4,8 +4,10 @@ what the trainer will read, before a run (the seed article's "print a few sample
 `samples` prints the run's samples in training order (sample k of the run is position k % global_batch of global
 batch k // global_batch, whose ids come from the same SampleOrder / GlobalBatches the trainer builds) with the
 inputs, labels and loss mask the trainer computes from them (data/dataset.py batch_inputs), and, without --json,
-the decoded text. `stats` prints the dataset's size and what its format says of itself (documents, tokens, blend
-proportions, padding: the format's `describe()`).
+the decoded text; a preference pair also shows its rejected sequence (rejected_tokens, rejected_labels,
+rejected_loss_mask: the loss mask is the completion's) and a KTO example its label. `stats` prints the dataset's
+size and what its format says of itself (documents, tokens, blend proportions, padding, preference pairs: the
+format's `describe()`).
 """
 
 from __future__ import annotations
@@ -113,7 +115,7 @@ class _View:
 
 
 def run_samples(args) -> int:
-    from meshformer.data.dataset import batch_inputs
+    from meshformer.data.protocol import Sample
 
     if args.start < 0 or args.count < 1 or args.start + args.count > MAX_SAMPLES:
         raise UserError(
@@ -125,23 +127,37 @@ def run_samples(args) -> int:
     ignore = view.mc.ignore_token_id
     for k in range(args.start, args.start + args.count):
         i = view.sample_id(k)
-        inputs, labels, documents = batch_inputs(
-            [view.ds.sample(i)], view.mc.vocab_size, ignore, f"{view.section}: sample {i}"
-        )
-        row = {
-            "index": k,
-            "sample": i,
-            "step": k // view.global_batch + 1,
-            "tokens": inputs[0].tolist(),
-            "labels": labels[0].tolist(),
-            "loss_mask": (labels[0] != ignore).int().tolist(),
-        }
-        if documents is not None:
-            row["position_ids"] = _positions(documents[0].tolist())
+        sample = view.ds.sample(i)
+        row = {"index": k, "sample": i, "step": k // view.global_batch + 1}
+        row.update(_labelled(sample, view.mc.vocab_size, ignore, f"{view.section}: sample {i}"))
+        if getattr(sample, "rejected", None) is not None:  # a preference pair: the rejected sequence beside it
+            rejected = Sample(sample.rejected, sample.rejected_mask)
+            rest = _labelled(rejected, view.mc.vocab_size, ignore, f"{view.section}: sample {i}")
+            row.update({f"rejected_{key}": value for key, value in rest.items()})
+        if getattr(sample, "label", None) is not None:
+            row["label"] = sample.label
         print(json.dumps(row))
         if tok is not None:
-            print(f"# text of sample {i}: {json.dumps(tok.decode(row['tokens'], skip_special_tokens=False))}")
+            for key in ("tokens", "rejected_tokens"):
+                if key in row:
+                    what = "sample" if key == "tokens" else "rejected sequence of sample"
+                    print(f"# text of {what} {i}: {json.dumps(tok.decode(row[key], skip_special_tokens=False))}")
     return 0
+
+
+def _labelled(sample, vocab_size: int, ignore: int, where: str) -> dict:
+    """tokens, labels, loss_mask (and position_ids for a packed row) of one sample as the trainer computes them."""
+    from meshformer.data.dataset import batch_inputs
+
+    inputs, labels, documents = batch_inputs([sample], vocab_size, ignore, where)
+    row = {
+        "tokens": inputs[0].tolist(),
+        "labels": labels[0].tolist(),
+        "loss_mask": (labels[0] != ignore).int().tolist(),
+    }
+    if documents is not None:
+        row["position_ids"] = _positions(documents[0].tolist())
+    return row
 
 
 def _positions(documents: list[int]) -> list[int]:

@@ -2,7 +2,9 @@
 [--keep-duplicates] [--overwrite] [--text-split file|paragraph|line] [--workers N] [--format megatron]`: text
 (.txt, .jsonl, .json, .parquet, .arrow, datasets.save_to_disk folders) -> packed token dataset (sequence length is
 chosen at training time) or a Megatron indexed dataset, streamed; instruction data (the same files, in alpaca,
-messages or sharegpt form) -> samples with a loss mask (data/sft.py)."""
+messages or sharegpt form) -> samples with a loss mask (data/sft.py); preference data (TRL's prompt/chosen/rejected
+or prompt/completion/label records, LLaMA-Factory's ranking and kto_tag records) -> pairs or KTO examples with
+completion masks, tokenized as TRL 1.16 does (data/preference.py)."""
 
 from __future__ import annotations
 
@@ -37,8 +39,9 @@ def add_parser(subparsers) -> None:
     p.add_argument(
         "--format",
         default="auto",
-        choices=("auto", "text", "alpaca", "messages", "sharegpt", "megatron"),
-        help="input kind (default: from the fields of the first record); megatron: text written as a Megatron "
+        choices=("auto", "text", "alpaca", "messages", "sharegpt", "preference", "kto", "megatron"),
+        help="input kind (default: from the fields of the first record); preference: pairs (chosen/rejected); "
+        "kto: unpaired examples (prompt/completion/label or kto_tag); megatron: text written as a Megatron "
         "indexed dataset DIR/text_document.bin/.idx, every kept document + EOS, no validation split (Megatron's "
         "`split` makes it at training time)",
     )
@@ -54,6 +57,22 @@ def add_parser(subparsers) -> None:
         default=2048,
         metavar="N",
         help="instruction data: longest sample in tokens (longer: see --overlong)",
+    )
+    p.add_argument(
+        "--max-length",
+        "--cutoff-len",
+        dest="max_length",
+        type=int,
+        default=None,
+        metavar="N",
+        help="preference data: longest prompt + completion in tokens (TRL's max_length, LLaMA-Factory's cutoff_len; "
+        "default 1024)",
+    )
+    p.add_argument(
+        "--truncation-mode",
+        default="keep_start",
+        choices=("keep_start", "keep_end"),
+        help="preference data: which end of a longer sequence to keep (TRL's truncation_mode)",
     )
     p.add_argument(
         "--overlong", default="truncate", choices=("truncate", "drop"), help="instruction data: longer samples"
@@ -105,6 +124,7 @@ def input_format(args) -> str:
     from pathlib import Path
 
     from meshformer.data.documents import iter_records
+    from meshformer.data.preference_records import detect_kind
     from meshformer.data.sft import detect_format
     from meshformer.data.sources import ARROW_SUFFIXES, is_dataset_dir
 
@@ -114,6 +134,8 @@ def input_format(args) -> str:
         if not records and not is_dataset_dir(p):
             return "text"  # the text path reports what is wrong with the inputs
         for where, _, record in iter_records(p):  # a damaged file is one line here, as on the text path
+            if isinstance(record, dict) and detect_kind(record) is not None:
+                return detect_kind(record)
             if isinstance(record, dict) and args.text_field not in record:
                 return detect_format(record, where)
             return "text"
@@ -137,6 +159,21 @@ def run(args: argparse.Namespace) -> int:
     from meshformer.data.preprocess import preprocess
 
     fmt = input_format(args)
+    if fmt in ("preference", "kto"):
+        from meshformer.data.preference import DEFAULT_MAX_LENGTH, preprocess_preference
+
+        preprocess_preference(
+            args.input,
+            args.tokenizer,
+            args.output,
+            kind=fmt,
+            template=args.template,
+            max_length=DEFAULT_MAX_LENGTH if args.max_length is None else args.max_length,
+            truncation_mode=args.truncation_mode,
+            val_fraction=args.val_fraction,
+            overwrite=args.overwrite,
+        )
+        return 0
     if fmt != "text":
         from meshformer.data.sft import preprocess_sft
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from meshformer.config.data_schema import DatasetConfig, ProcessorConfig
 from meshformer.config.fields import field_default, is_dataclass_type, provenance, setting
 from meshformer.config.model_schema import ModelConfig, ModelSection
+from meshformer.config.preference_schema import PreferenceConfig
 
 __all__ = [
     "MeshformerConfig",
@@ -330,6 +331,9 @@ class MeshformerConfig:
     lr_schedule: LrScheduleConfig = setting(LrScheduleConfig, "Learning-rate schedule.")
     runner_config: RunnerConfig = setting(RunnerConfig, "Run length and accumulation.")
     runner_wrapper: RunnerWrapperConfig = setting(RunnerWrapperConfig, "Gradient clipping (MindSpore's step wrapper).")
+    preference_config: PreferenceConfig = setting(
+        PreferenceConfig, "Preference post-training (DPO, KTO, ORPO, SimPO) on preprocessed preference data."
+    )
     callbacks: list = setting(
         [{"type": "MFLossMonitor"}, {"type": "CheckpointMonitor"}],
         "Logging and checkpointing callbacks (list of {type: ...}).",

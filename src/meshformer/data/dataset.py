@@ -33,6 +33,7 @@ from meshformer.errors import UserError
 
 FORMAT = "meshformer-packed-v1"
 SFT_FORMAT = "meshformer-sft-v1"  # instruction data with a loss mask (data/sft.py)
+PREFERENCE_FORMAT = "meshformer-preference-v1"  # pairs or KTO examples (data/preference.py)
 
 
 def read_meta(dataset_dir: str | Path, field: str = "train_dataset.data_loader.dataset_dir") -> dict:
@@ -52,7 +53,7 @@ def read_meta(dataset_dir: str | Path, field: str = "train_dataset.data_loader.d
         raise UserError(f"{meta_path}: corrupt meta.json ({why}): re-run `meshformer preprocess`") from None
     if not isinstance(meta, dict):
         raise UserError(f"{meta_path}: meta.json is a JSON {type(meta).__name__}, not an object: re-run preprocess")
-    if meta.get("format") not in (FORMAT, SFT_FORMAT):
+    if meta.get("format") not in (FORMAT, SFT_FORMAT, PREFERENCE_FORMAT):
         raise UserError(f"{meta_path}: format {meta.get('format')!r} is not {FORMAT!r}: re-run `meshformer preprocess`")
     splits, vocab = meta.get("splits"), meta.get("vocab_size")
     problem = (
@@ -284,7 +285,8 @@ def pack_rows(lengths: np.ndarray, capacity: int) -> list[list[int]]:
 
 
 def open_dataset(dataset_dir: str | Path, split: str, seq_length: int, field: str, packing: bool = False):
-    """The dataset class its meta.json names: packed text (pre-training) or instruction samples (fine-tuning)."""
+    """The dataset class its meta.json names: packed text (pre-training) or instruction samples (fine-tuning);
+    preference data (data/preference_dataset.py) is opened by data/registry.py before it comes here."""
     if read_meta(dataset_dir, field).get("format") == SFT_FORMAT:
         return SFTDataset(dataset_dir, split, seq_length, field, packing)
     if packing:

@@ -41,6 +41,17 @@ class Sample:
     documents: torch.Tensor | None = None  # int64, same length: document index per position of a packed row
 
 
+@dataclass(frozen=True)
+class PreferenceSample(Sample):
+    """A preference pair (data/preference_dataset.py): `tokens`/`loss_mask` are the chosen sequence and its
+    completion mask, `rejected`/`rejected_mask` the rejected one; an unpaired (KTO) example has no rejected
+    sequence and a `label` (True: desirable)."""
+
+    rejected: torch.Tensor | None = None  # int64 [seq_length + 1]
+    rejected_mask: torch.Tensor | None = None  # bool, same length: the rejected completion's tokens
+    label: bool | None = None
+
+
 @runtime_checkable
 class Dataset(Protocol):
     tokenizer_hash: str | None
@@ -61,8 +72,10 @@ def fingerprint(ds: Dataset) -> str:
     h = hashlib.sha256(str(len(ds)).encode())
     for i in spread(len(ds), FINGERPRINT_SAMPLES):
         s = ds.sample(i)
-        for t in (s.tokens, s.loss_mask, s.documents):
+        for t in (s.tokens, s.loss_mask, s.documents, getattr(s, "rejected", None), getattr(s, "rejected_mask", None)):
             h.update(b"-" if t is None else t.to(torch.int64).numpy().tobytes())
+        if getattr(s, "label", None) is not None:
+            h.update(b"+" if s.label else b"0")
     return h.hexdigest()
 
 

@@ -12,7 +12,7 @@ import difflib
 
 import torch
 
-from meshformer.data.dataset import open_dataset
+from meshformer.data.dataset import PREFERENCE_FORMAT, open_dataset, read_meta
 
 # The table lives in data/formats.py, so a format's module registers itself without importing this one.
 from meshformer.data.formats import FORMATS as _FORMATS
@@ -52,6 +52,11 @@ def _check_first_sample(ds: Dataset, type_name: str, seq_length: int, field: str
                 f"{field}: {type_name} sample(0).{name} is {t.dtype} {list(t.shape)}, not {dtype} [{n}] "
                 f"(seq_length + 1): the format's opener must cut samples to model.model_config.seq_length + 1"
             )
+    for name in ("rejected", "rejected_mask"):
+        t = getattr(s, name, None)
+        dtype = torch.int64 if name == "rejected" else torch.bool
+        if t is not None and (t.dtype != dtype or tuple(t.shape) != (n,)):
+            raise UserError(f"{field}: {type_name} sample(0).{name} is {t.dtype} {list(t.shape)}, not {dtype} [{n}]")
     if s.documents is not None and (s.documents.dtype != torch.int64 or tuple(s.documents.shape) != (n,)):
         raise UserError(f"{field}: {type_name} sample(0).documents is not int64 [{n}]: fix the format's opener")
 
@@ -69,6 +74,8 @@ def _open_mind_dataset(dl, split: str, seq_length: int, field: str) -> Dataset:
         )
     files = mindrecord.dataset_files(dl, field)
     if files is None:
+        if read_meta(dl.dataset_dir, f"{field}.dataset_dir").get("format") == PREFERENCE_FORMAT:
+            return _preference_dataset.open_preference(dl, split, seq_length, field)
         return open_dataset(dl.dataset_dir, split, seq_length, f"{field}.dataset_dir", dl.packing)
     if dl.packing:
         raise UserError(f"{field}.packing: MindRecord rows are read as written, one per sample: set packing: false")
@@ -79,4 +86,5 @@ register_dataset_format("MindDataset", _open_mind_dataset)
 
 # Formats in their own modules register themselves when imported (through data/formats.py).
 from meshformer.data import mindrecord as _mindrecord  # noqa: E402, F401
+from meshformer.data import preference_dataset as _preference_dataset  # noqa: E402, F401
 from meshformer.data.megatron import loader as _megatron_loader  # noqa: E402, F401
