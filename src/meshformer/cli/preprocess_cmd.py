@@ -45,41 +45,7 @@ def add_parser(subparsers) -> None:
         "indexed dataset DIR/text_document.bin/.idx, every kept document + EOS, no validation split (Megatron's "
         "`split` makes it at training time)",
     )
-    p.add_argument(
-        "--template",
-        default=None,
-        metavar="NAME|FILE",
-        help="instruction data: chat template (chatml, llama3, llama2, a .jinja file; default: the tokenizer's)",
-    )
-    p.add_argument(
-        "--seq-length",
-        type=int,
-        default=2048,
-        metavar="N",
-        help="instruction data: longest sample in tokens (longer: see --overlong)",
-    )
-    p.add_argument(
-        "--max-length",
-        "--cutoff-len",
-        dest="max_length",
-        type=int,
-        default=None,
-        metavar="N",
-        help="preference data: longest prompt + completion in tokens (TRL's max_length, LLaMA-Factory's cutoff_len; "
-        "default 1024)",
-    )
-    p.add_argument(
-        "--truncation-mode",
-        default="keep_start",
-        choices=("keep_start", "keep_end"),
-        help="preference data: which end of a longer sequence to keep (TRL's truncation_mode)",
-    )
-    p.add_argument(
-        "--overlong", default="truncate", choices=("truncate", "drop"), help="instruction data: longer samples"
-    )
-    p.add_argument(
-        "--train-on-prompt", action="store_true", help="instruction data: count prompt tokens in the loss too"
-    )
+    add_sample_options(p)
     p.add_argument("--output", required=True, metavar="DIR", help="dataset directory to create")
     p.add_argument(
         "--val-fraction",
@@ -115,6 +81,45 @@ def add_parser(subparsers) -> None:
         f"{MAX_DEFAULT_WORKERS}, or 0 for inputs under {SMALL_INPUT_BYTES >> 20} MB)",
     )
     p.set_defaults(func=run)
+
+
+def add_sample_options(p) -> None:
+    """The flags of instruction and preference data: template, lengths, truncation, what the loss counts."""
+    p.add_argument(
+        "--template",
+        default=None,
+        metavar="NAME|FILE",
+        help="instruction data: chat template (chatml, llama3, llama2, a .jinja file; default: the tokenizer's)",
+    )
+    p.add_argument(
+        "--seq-length",
+        type=int,
+        default=2048,
+        metavar="N",
+        help="instruction data: longest sample in tokens (longer: see --overlong)",
+    )
+    p.add_argument(
+        "--max-length",
+        "--cutoff-len",
+        dest="max_length",
+        type=int,
+        default=None,
+        metavar="N",
+        help="preference data: longest prompt + completion in tokens (TRL's max_length, LLaMA-Factory's cutoff_len; "
+        "default 1024)",
+    )
+    p.add_argument(
+        "--truncation-mode",
+        default="keep_start",
+        choices=("keep_start", "keep_end"),
+        help="preference data: which end of a longer sequence to keep (TRL's truncation_mode)",
+    )
+    p.add_argument(
+        "--overlong", default="truncate", choices=("truncate", "drop"), help="instruction data: longer samples"
+    )
+    p.add_argument(
+        "--train-on-prompt", action="store_true", help="instruction data: count prompt tokens in the loss too"
+    )
 
 
 def input_format(args) -> str:

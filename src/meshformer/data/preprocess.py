@@ -232,6 +232,25 @@ def _run_passes(tok, paths, job: dict, tmp: Path, dtype: np.dtype, eos: int, wor
     return counts, mode, splits
 
 
+def _checked_options(
+    text_split, split_blank_lines: bool, output_format: str, workers: int, val_fraction: float, console
+) -> tuple[str, float]:
+    """(the .txt split, the validation share) once the options are checked: one line for a bad one."""
+    text_split = text_split or ("paragraph" if split_blank_lines else "file")
+    if text_split not in TEXT_SPLITS:
+        raise UserError(f"--text-split={text_split!r}: must be one of {', '.join(TEXT_SPLITS)}")
+    if output_format not in OUTPUT_FORMATS:
+        raise UserError(f"--format={output_format!r}: must be one of {', '.join(OUTPUT_FORMATS)}")
+    if workers < 0:
+        raise UserError(f"--workers={workers}: must be 0 (this process) or more")
+    if output_format == "megatron" and val_fraction:
+        console.print(f"--val-fraction {val_fraction} ignored: Megatron's `split` carves validation at training time")
+        val_fraction = 0.0
+    if not 0.0 <= val_fraction < 1.0:  # also rejects NaN; prepare_output checks it again, before the temp dir
+        raise UserError(f"--val-fraction={val_fraction}: must be in [0, 1), e.g. 0.02")
+    return text_split, val_fraction
+
+
 def preprocess(
     inputs: list[str] | list[Path],
     tokenizer: str | Path,
@@ -257,18 +276,9 @@ def preprocess(
     """
     t0 = time.perf_counter()
     console = console or Console()
-    text_split = text_split or ("paragraph" if split_blank_lines else "file")
-    if text_split not in TEXT_SPLITS:
-        raise UserError(f"--text-split={text_split!r}: must be one of {', '.join(TEXT_SPLITS)}")
-    if output_format not in OUTPUT_FORMATS:
-        raise UserError(f"--format={output_format!r}: must be one of {', '.join(OUTPUT_FORMATS)}")
-    if workers < 0:
-        raise UserError(f"--workers={workers}: must be 0 (this process) or more")
-    if output_format == "megatron" and val_fraction:
-        console.print(f"--val-fraction {val_fraction} ignored: Megatron's `split` carves validation at training time")
-        val_fraction = 0.0
-    if not 0.0 <= val_fraction < 1.0:  # also rejects NaN; prepare_output checks it again, before the temp dir
-        raise UserError(f"--val-fraction={val_fraction}: must be in [0, 1), e.g. 0.02")
+    text_split, val_fraction = _checked_options(
+        text_split, split_blank_lines, output_format, workers, val_fraction, console
+    )
     tok, tok_file, tok_bytes = _open_tokenizer(tokenizer)
     ids, vocab = special_token_ids(tok, tokenizer), vocab_size(tok)
     dtype = np.dtype("<u2") if vocab <= 1 << 16 else np.dtype("<u4")

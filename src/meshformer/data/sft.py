@@ -30,6 +30,7 @@ import json
 import os
 import shutil
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -155,6 +156,51 @@ def encode_sample(tok, template: str, messages: list[dict], specials: dict, trai
     return ids, mask, text, spans, [a for a, _ in enc.offsets]
 
 
+@dataclass(frozen=True)
+class _SampleRules:
+    """How records become samples: the format, the template and its tokens, what the loss counts, the length."""
+
+    fmt: str | None
+    chat_template: str
+    specials: object
+    train_on_prompt: bool
+    seq_length: int
+    overlong: str
+    every: int  # every n-th kept sample goes to validation (0: none)
+
+
+def _collect_samples(paths: list, tok, rules: _SampleRules) -> tuple[dict, dict, tuple | None]:
+    """(the samples of each split with their loss masks and source lines, the report's counts, a first example)."""
+    splits = {s: {"ids": [], "masks": [], "lines": []} for s in ("train", "validation")}
+    report = {"samples": 0, "truncated": 0, "dropped": 0, "tokens": 0, "target_tokens": 0, "by_role": {}}
+    example = None
+    for file_index, path in enumerate(paths):
+        for where, n, record in iter_records(path):
+            if not isinstance(record, dict):
+                raise UserError(f"{where}: a JSON {json_type(record)}: each record must be a JSON object")
+            messages = to_messages(record, rules.fmt or detect_format(record, where), where)
+            ids, mask, _, _, starts = encode_sample(
+                tok, rules.chat_template, messages, rules.specials, rules.train_on_prompt, where
+            )
+            _count_roles(report, starts, messages, rules.chat_template, rules.specials, mask)
+            if len(ids) > rules.seq_length + 1:
+                if rules.overlong == "drop":
+                    report["dropped"] += 1
+                    continue
+                ids, mask = ids[: rules.seq_length + 1], mask[: rules.seq_length + 1]
+                report["truncated"] += 1
+            if example is None:
+                example = (tok, ids, mask)
+            split = "validation" if rules.every and report["samples"] % rules.every == rules.every - 1 else "train"
+            splits[split]["ids"].append(ids)
+            splits[split]["masks"].append(mask)
+            splits[split]["lines"].append([file_index, n])  # where it came from (`template check --data`)
+            report["samples"] += 1
+            report["tokens"] += len(ids)
+            report["target_tokens"] += int(mask.sum())
+    return splits, report, example
+
+
 def preprocess_sft(
     inputs: list,
     tokenizer: str | Path,
@@ -187,31 +233,8 @@ def preprocess_sft(
     dtype = np.dtype("<u2") if vocab <= 1 << 16 else np.dtype("<u4")
     every = round(1 / val_fraction) if val_fraction > 0 else 0
 
-    splits = {s: {"ids": [], "masks": [], "lines": []} for s in ("train", "validation")}
-    report = {"samples": 0, "truncated": 0, "dropped": 0, "tokens": 0, "target_tokens": 0, "by_role": {}}
-    example = None
-    for file_index, path in enumerate(paths):
-        for where, n, record in iter_records(path):
-            if not isinstance(record, dict):
-                raise UserError(f"{where}: a JSON {json_type(record)}: each record must be a JSON object")
-            messages = to_messages(record, fmt or detect_format(record, where), where)
-            ids, mask, _, _, starts = encode_sample(tok, chat_template, messages, specials, train_on_prompt, where)
-            _count_roles(report, starts, messages, chat_template, specials, mask)
-            if len(ids) > seq_length + 1:
-                if overlong == "drop":
-                    report["dropped"] += 1
-                    continue
-                ids, mask = ids[: seq_length + 1], mask[: seq_length + 1]
-                report["truncated"] += 1
-            if example is None:
-                example = (tok, ids, mask)
-            split = "validation" if every and report["samples"] % every == every - 1 else "train"
-            splits[split]["ids"].append(ids)
-            splits[split]["masks"].append(mask)
-            splits[split]["lines"].append([file_index, n])  # where it came from (`template check --data`)
-            report["samples"] += 1
-            report["tokens"] += len(ids)
-            report["target_tokens"] += int(mask.sum())
+    rules = _SampleRules(fmt, chat_template, specials, train_on_prompt, seq_length, overlong, every)
+    splits, report, example = _collect_samples(paths, tok, rules)
     if not splits["train"]["ids"]:
         raise UserError(f"--input: no usable samples in {', '.join(map(str, paths))}")
 
