@@ -202,6 +202,12 @@ VARIANTS["mistral"] = {
     _M + "type": "MistralConfig", _M + "qkv_has_bias": False, _M + "use_qk_norm": False,
     _M + "sliding_window": WINDOW,
 }  # fmt: skip
+# GLM-4-shaped: q/k/v biases, no q/k norm, the rotary turning half of each head (4 of 8 channels, adjacent pairs)
+# and the post-attention / post-MLP norms (models/glm4/).
+VARIANTS["glm4"] = {
+    _M + "type": "Glm4Config", _M + "qkv_has_bias": True, _M + "use_qk_norm": False,
+    _M + "partial_rotary_factor": 0.5,
+}  # fmt: skip
 VARIANTS["moe_bal_seq"] = {
     **BALANCE,
     "model.model_config.moe_config.aux_loss_types": ["sequence"],
