@@ -227,6 +227,20 @@ def write_tiny(path, qtype="F16", tokenizer_json=None):
     return write_gguf(path, hf, hf_tensors(hf, model), tokenizer_json, TOKENIZER_CONFIG, qtype)
 
 
+def test_a_rotary_over_part_of_each_head_is_its_rope_dimension_count():
+    """An architecture whose table names a rotary-fraction key writes llama.cpp's rope.dimension_count as
+    int(head_dim x fraction), from the top level or rope_parameters; a missing or bad fraction is one line."""
+    from meshformer.checkpoint.gguf_write import _hyperparameters
+
+    hf = {**BASE, "num_attention_heads": 4, "hidden_size": 64, "head_dim": 24}
+    assert _hyperparameters(hf, "llama")["rope_dims"] == 24  # no key: the whole head
+    assert _hyperparameters({**hf, "turned": 0.75}, "x", "turned")["rope_dims"] == 18
+    assert _hyperparameters({**hf, "rope_parameters": {"turned": 0.5}}, "x", "turned")["rope_dims"] == 12
+    for bad in (None, 0, 1.5, True):
+        with pytest.raises(UserError, match="turned in \\(0, 1\\]"):
+            _hyperparameters({**hf, "turned": bad}, "x", "turned")
+
+
 def test_unknown_qtype(tmp_path):
     with pytest.raises(UserError, match="'Q4_K' is not supported") as err:
         write_tiny(tmp_path / "m.gguf", qtype="Q4_K")

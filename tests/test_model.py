@@ -107,6 +107,36 @@ def test_rotary_is_rotate_half_bit_for_bit(dtype):
     torch.testing.assert_close(gx, wx, rtol=0, atol=0)
 
 
+@torch.no_grad()
+def test_the_rotary_tables_class_decides_how_attention_rotates_q_and_k():
+    """Attention rotates queries and keys with its tables' `rotate` (a family's tables class may give another
+    layout): the default is apply_rotary; a stand-in that does not rotate makes the model position-blind."""
+    from meshformer.models.llama.model import RopeTables, Transformer
+
+    seen = []
+
+    class Unrotated(RopeTables):
+        rotate = staticmethod(lambda x, cos, sin: seen.append(x.shape) or x)
+
+    class Blind(Transformer):
+        rope_tables = Unrotated
+
+    mc = tiny()
+    assert RopeTables.rotate is apply_rotary
+    model = randomize(create_model(mc, 0))
+    blind = Blind(mc)
+    blind.load_state_dict(model.state_dict())
+    x = tokens(1, 8)
+    positions = torch.arange(8)[None]
+    mask = torch.ones(8, 8, dtype=torch.bool).tril()[None, None]
+    # the same tokens at other rotary positions: other logits with rotation, the same without
+    assert not torch.allclose(model(x, positions=positions, mask=mask), model(x, positions=positions + 5, mask=mask))
+    assert seen == []
+    got = blind(x, positions=positions + 5, mask=mask)
+    torch.testing.assert_close(blind(x, positions=positions, mask=mask), got, rtol=0, atol=0)
+    assert seen[:2] == [(1, 4, 8, 16), (1, 2, 8, 16)]  # queries then keys, per layer
+
+
 def test_llama3_rope_scaling_matches_transformers():
     from transformers import LlamaConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS

@@ -68,6 +68,11 @@ WORLD2 = [
     "tp2_sp_accum:mistral",
     "pp2_1f1b:mistral",
     "fsdp2:mistral",
+    # GLM-4: partial interleaved rotary, post-block norms, gate/up split for tensor parallelism
+    "tp2:glm4",
+    "tp2_sp_accum:glm4",
+    "pp2_1f1b:glm4",
+    "fsdp2:glm4",
 ]
 WORLD4 = [
     "dp4",
@@ -166,7 +171,7 @@ def test_sliding_window_variant_is_active(reference):
 
 def test_two_process_layouts_match_single_process(reference, results2):
     """dp2, tp2 (+sequence parallel), fsdp2 (ZeRO-2 and ZeRO-3), pp2 under all 7 schedules; recompute,
-    accumulation, tied embeddings under TP, bf16; Mistral's sliding window under tp2 (+sp), pp2 and fsdp2."""
+    accumulation, tied embeddings under TP, bf16; Mistral's sliding window and GLM-4 under tp2 (+sp), pp2 and fsdp2."""
     _check(results2, reference, WORLD2)
 
 

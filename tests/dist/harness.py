@@ -211,6 +211,12 @@ VARIANTS["gpt_oss"] = {
     _M + "rope_scaling.original_max_position_embeddings": 8,
     _E + "expert_num": 8, _E + "num_experts_chosen": 2, _E + "moe_intermediate_size": 32,
 }  # fmt: skip
+# GLM-4-shaped: q/k/v biases, no q/k norm, the rotary turning half of each head (4 of 8 channels, adjacent pairs)
+# and the post-attention / post-MLP norms (models/glm4/).
+VARIANTS["glm4"] = {
+    _M + "type": "Glm4Config", _M + "qkv_has_bias": True, _M + "use_qk_norm": False,
+    _M + "partial_rotary_factor": 0.5,
+}  # fmt: skip
 VARIANTS["moe_bal_seq"] = {
     **BALANCE,
     "model.model_config.moe_config.aux_loss_types": ["sequence"],

@@ -148,7 +148,12 @@ def _config(meta: dict, arch: str, names, tensor_names: set[str], path) -> dict:
             rope_scaling["original_max_position_embeddings"] = int(key("rope.scaling.original_context_length"))
     elif scaling_type != "none":
         raise UserError(f"{path}: GGUF rope scaling type {scaling_type!r} is not supported (linear, yarn are)")
+    head_dim = int(key("attention.key_length", hidden // heads))
+    rotary = {}
+    if names.rotary_fraction_key is not None:  # the rotary turns rope.dimension_count channels of each head
+        rotary[names.rotary_fraction_key] = int(key("rope.dimension_count")) / head_dim
     return {
+        **rotary,
         "architectures": [hf_class],
         "model_type": model_type,
         "hidden_size": hidden,
@@ -156,7 +161,7 @@ def _config(meta: dict, arch: str, names, tensor_names: set[str], path) -> dict:
         "num_hidden_layers": int(key("block_count")),
         "num_attention_heads": heads,
         "num_key_value_heads": int(key("attention.head_count_kv", heads)),
-        "head_dim": int(key("attention.key_length", hidden // heads)),
+        "head_dim": head_dim,
         "rms_norm_eps": float(key("attention.layer_norm_rms_epsilon")),
         "rope_theta": float(key("rope.freq_base", 10000.0)),
         "max_position_embeddings": int(key("context_length")),
@@ -168,7 +173,7 @@ def _config(meta: dict, arch: str, names, tensor_names: set[str], path) -> dict:
         "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
         "pad_token_id": meta.get("tokenizer.ggml.padding_token_id"),
         "rope_scaling": rope_scaling,
-        "attention_bias": "attn_q.bias" in names.layer_parts,  # q/k/v biases (Qwen2)
+        "attention_bias": "blk.0.attn_q.bias" in tensor_names,  # q/k/v biases (Qwen2's always)
     }
 
 

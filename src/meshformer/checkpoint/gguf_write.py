@@ -62,7 +62,7 @@ def write_gguf(
     if qtype not in _FILE_TYPES:
         raise UserError(f"GGUF type {qtype!r} is not supported (choose one of {', '.join(_FILE_TYPES)})")
     arch, table = _arch(config)
-    hp = _hyperparameters(config, arch)
+    hp = _hyperparameters(config, arch, table.rotary_fraction_key)
     hp["permute_rotary"] = table.permute_rotary
     # Everything that can be refused is checked before the file is opened.
     vocab = _vocabulary(tokenizer_json, tokenizer_config, config, hp["vocab_size"])
@@ -80,7 +80,8 @@ def write_gguf(
         writer.add_head_count_kv(hp["kv_heads"])
         writer.add_key_length(hp["head_dim"])
         writer.add_value_length(hp["head_dim"])
-        writer.add_rope_dimension_count(hp["head_dim"])  # transformers reads llama's head_dim from this key
+        # transformers reads llama's head_dim from this key; llama.cpp turns this many channels of each head
+        writer.add_rope_dimension_count(hp["rope_dims"])
         writer.add_layer_norm_rms_eps(hp["eps"])
         writer.add_rope_freq_base(hp["theta"])
         writer.add_vocab_size(hp["vocab_size"])
@@ -123,7 +124,7 @@ def _arch(config: dict):
     raise UserError(f"GGUF export: architecture {named!r} is not supported ({', '.join(known)} are)")
 
 
-def _hyperparameters(config: dict, arch: str) -> dict:
+def _hyperparameters(config: dict, arch: str, rotary_fraction_key: str | None = None) -> dict:
     def need(key):
         value = config.get(key)
         if isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -136,11 +137,19 @@ def _hyperparameters(config: dict, arch: str) -> dict:
     kind = scaling.get("rope_type", scaling.get("type", "default"))
     if kind not in ("default", "llama3") or (kind == "llama3" and arch != "llama"):
         raise UserError(f"GGUF export: rope scaling {kind!r} is not supported for {arch} (llama3 on llama is)")
+    head_dim = int(config.get("head_dim") or hidden // heads)
+    rope_dims = head_dim
+    if rotary_fraction_key is not None:  # a rotary over the first fraction of each head (top level or rope_parameters)
+        fraction = config.get(rotary_fraction_key, scaling.get(rotary_fraction_key))
+        if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
+            raise UserError(f"GGUF export: config.json needs {rotary_fraction_key} in (0, 1] for {arch}: {fraction!r}")
+        rope_dims = int(head_dim * fraction)
     return {
         "hidden": hidden,
         "heads": heads,
         "kv_heads": int(config.get("num_key_value_heads") or heads),
-        "head_dim": int(config.get("head_dim") or hidden // heads),
+        "head_dim": head_dim,
+        "rope_dims": rope_dims,
         "layers": int(need("num_hidden_layers")),
         "ffn": int(need("intermediate_size")),
         "eps": float(config.get("rms_norm_eps", 1e-6)),

@@ -48,6 +48,10 @@ class GgufArch:
     layer_parts: dict[str, str]  # the part of `blk.N.<part>` -> the part of `model.layers.N.<part>`
     # llama.cpp's converter interleaves the rotary halves of q/k rows for this architecture (GPT-J style rotary)
     permute_rotary: bool = False
+    # The config.json key holding the fraction of each head the rotary turns, for an architecture that turns only
+    # part of it: llama.cpp's `rope.dimension_count` is then int(head_dim x fraction), read back as count / head_dim
+    # (None: the whole head, dimension_count = head_dim)
+    rotary_fraction_key: str | None = None
 
 
 @dataclass(frozen=True)

@@ -92,9 +92,11 @@ class RopeTables(nn.Module):
     shards the activations between layers.
     """
 
-    # A family with another rotary part (latent attention's) gives its width and tables
+    # A family with another rotary part (latent attention's) gives its width and tables, and one with another
+    # rotary layout (a rotated fraction of each head, adjacent pairs) how a head is rotated with them
     width_of = staticmethod(lambda mc: mc.dim_per_head)
     cos_sin = staticmethod(rope_cos_sin)
+    rotate = staticmethod(apply_rotary)  # (x [batch, heads, seq, head_dim], cos, sin) -> x rotated
 
     def __init__(self, mc: ModelConfig):
         super().__init__()
@@ -169,7 +171,7 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        q, k = rope.rotate(q, cos, sin), rope.rotate(k, cos, sin)
         if cache is not None:
             key_positions = cache.key_positions(layer_idx, s, x.device)
             k, v = cache.update(layer_idx, k, v)
