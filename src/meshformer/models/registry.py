@@ -48,6 +48,16 @@ class GgufArch:
     layer_parts: dict[str, str]  # the part of `blk.N.<part>` -> the part of `model.layers.N.<part>`
     # llama.cpp's converter interleaves the rotary halves of q/k rows for this architecture (GPT-J style rotary)
     permute_rotary: bool = False
+    # Added to every `*norm.weight` on write, subtracted on read (llama.cpp's converter `norm_shift`: a norm that
+    # scales by (1 + weight) is stored as the factor llama.cpp multiplies by). Not bit for bit in float32: w + 1
+    # keeps w to 2**-23 absolute.
+    norm_shift: float = 0.0
+    # (writer, gguf module, config.json) -> None: the architecture's own metadata beyond the common keys (windows,
+    # other rotary bases, its rotary scaling: the common keys' check of rope_scaling is skipped when this is set);
+    # a UserError for what llama.cpp cannot compute
+    write_metadata: Callable | None = None
+    # (GGUF metadata {key: value}, config.json read so far) -> config.json keys to add or replace
+    read_config: Callable | None = None
 
 
 @dataclass(frozen=True)
