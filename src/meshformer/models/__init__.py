@@ -3,7 +3,7 @@
 Importing this package registers the built-in families (models/llama/, models/llama_moe/, models/deepseek/,
 models/mistral/)."""
 
-from meshformer.models import llama, llama_moe, deepseek, mistral  # noqa: F401, I001  (register the families, in this order)
+from meshformer.models import llama, llama_moe, deepseek, mistral, gemma3  # noqa: F401, I001  (register the families, in this order)
 from meshformer.models.init import build_model, create_model, init_weights, materialize
 from meshformer.models.llama import KVCache, Transformer, num_params
 from meshformer.models.registry import ModelFamily, families, family_for_hf, family_of, register_family
