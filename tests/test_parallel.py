@@ -68,6 +68,11 @@ WORLD2 = [
     "tp2_sp_accum:mistral",
     "pp2_1f1b:mistral",
     "fsdp2:mistral",
+    # Gemma 3: sliding and global layers, each with its rotary table, under the same layouts
+    "tp2:gemma3",
+    "tp2_sp_accum:gemma3",
+    "pp2_1f1b:gemma3",
+    "fsdp2:gemma3",
 ]
 WORLD4 = [
     "dp4",
@@ -166,7 +171,8 @@ def test_sliding_window_variant_is_active(reference):
 
 def test_two_process_layouts_match_single_process(reference, results2):
     """dp2, tp2 (+sequence parallel), fsdp2 (ZeRO-2 and ZeRO-3), pp2 under all 7 schedules; recompute,
-    accumulation, tied embeddings under TP, bf16; Mistral's sliding window under tp2 (+sp), pp2 and fsdp2."""
+    accumulation, tied embeddings under TP, bf16; Mistral's sliding window and Gemma 3's sliding/global layers under
+    tp2 (+sp), pp2 and fsdp2."""
     _check(results2, reference, WORLD2)
 
 
