@@ -7,7 +7,7 @@ recompute), packed documents, LoRA, an MoE model with balancing (the global-batc
 per-row counts are summed over the cp ranks; also with ep2 borrowing the cp ranks, and under pp2), and a
 DeepSeek-V3-shaped one (latent attention, which gathers only its latents; its sequence-wise loss or the global-batch
 one; at cp2, packed, with recompute, cp4 and tp2 x cp2), and a Mistral-shaped one whose sliding window is shorter
-than the row (cp2), and a GLM-4-shaped one (cp2); loss, grad norm (and auxiliary losses) and eval loss of
+than the row (cp2), GLM-4- and Gemma 3-shaped ones (cp2); loss, grad norm (and auxiliary losses) and eval loss of
 every step must equal the in-process single-process run within 1e-5 relative (fp32). A checkpoint saved at cp2
 resumes in one process. The activations per rank fall by about cp, as the planner predicts (the Llama bench, and the
 DeepSeek cases' measured steps within 1%, 2% packed). Bad layouts are one line, exit code 2, before any process
@@ -47,6 +47,7 @@ WORLD2 = [
     "cp2:mistral",  # the sliding window (SEQ // 4 keys) across the cp chunks
     "cp2:gpt_oss",  # the sinks and the alternating window across the cp chunks
     "cp2:glm4",  # GLM-4's partial interleaved rotary, applied before cp's attention
+    "cp2:gemma3",  # sliding and global layers in turn, each with its rotary table and Gemma's score scale
 ]
 WORLD4 = [
     "cp4",
@@ -75,7 +76,7 @@ def _torchrun(nproc: int, jobs: list[str], where: Path) -> dict:
 @pytest.fixture(scope="module")
 def reference() -> dict:
     variants = ("fp32", "packed", "lora", "moe", "moe_bal_gb", "moe_bal_seq", "deepseek_v3", "deepseek_v3_gb")
-    variants += ("deepseek_v3_gb_packed", "mistral", "gpt_oss", "glm4")
+    variants += ("deepseek_v3_gb_packed", "mistral", "gpt_oss", "glm4", "gemma3")
     return {v: harness.run_case(None, v, world_size=1)[0] for v in variants}
 
 

@@ -271,3 +271,41 @@ def test_failed_write_leaves_no_partial_file(tmp_path, monkeypatch):
     with pytest.raises(OSError, match="disk full"):
         write_tiny(path)
     assert path.read_bytes() == b"the previous export" and sorted(tmp_path.iterdir()) == [path]
+
+
+def test_an_architecture_may_shift_its_norms_and_write_its_own_metadata(tmp_path, monkeypatch):
+    """GgufArch.norm_shift is added to every stored `*norm.weight` and taken off on read (within float32's 2**-23
+    of w + 1; every other tensor bit for bit); write_metadata / read_config carry the architecture's own keys."""
+    from dataclasses import replace
+
+    from meshformer.models.registry import family_for_gguf
+
+    family, table = family_for_gguf("qwen3")
+
+    def write_metadata(writer, gguf_module, config):
+        writer.add_sliding_window(7)
+
+    def read_config(meta, config):
+        return {"sliding_window": int(meta["qwen3.attention.sliding_window"])}
+
+    shifted = replace(table, norm_shift=1.0, write_metadata=write_metadata, read_config=read_config)
+    monkeypatch.setitem(family.gguf_names, "qwen3", shifted)
+    hf, model, tok = build("qwen3")
+    tensors = {name: t.clone() for name, t in hf_tensors(hf, model).items()}  # build() keeps its model for others
+    with torch.no_grad():  # norms away from 1, so that the shift is not exact
+        for name, t in tensors.items():
+            if name.endswith("norm.weight"):
+                t.add_(torch.randn(t.shape, generator=torch.Generator().manual_seed(0)) * 0.1)
+    path = write_gguf(tmp_path / "q.gguf", hf, tensors, tok.to_str(), TOKENIZER_CONFIG, "F32")
+    stored = {t.name: t for t in gguf.GGUFReader(str(path)).tensors}
+    raw = torch.from_numpy(np.array(stored["blk.0.attn_norm.weight"].data))
+    assert torch.equal(raw, (tensors["model.layers.0.input_layernorm.weight"].double() + 1).float())
+    src = read_gguf(path)
+    assert src.config["sliding_window"] == 7
+    norms = [n for n in tensors if n.endswith("norm.weight")]
+    assert len(norms) == 1 + 4 * hf["num_hidden_layers"]
+    for name, original in tensors.items():
+        if name in norms:
+            assert (src.tensors[name] - original).abs().max() <= 2**-23, name
+        else:
+            assert torch.equal(src.tensors[name], original), name

@@ -352,3 +352,19 @@ def test_param_count_from_the_config_equals_the_built_model(kw):
 
     mc = tiny(**kw)
     assert param_count(mc) == num_params(build_model(mc))
+
+
+def test_a_module_may_declare_the_constant_its_parameters_start_at():
+    """`init_fill` on a module (a (1 + weight) norm's 0) replaces the rule by name; the
+    other parameters draw the same numbers as without it."""
+    from meshformer.models.init import init_weights
+
+    mc = model_config(hidden_size=32, num_layers=2, num_heads=4, vocab_size=64, intermediate_size=64)
+    plain, marked = create_model(mc, 0), create_model(mc, 0)
+    marked.layers["1"].input_layernorm.init_fill = 0.0
+    init_weights(marked, 0)
+    for (name, a), (_, b) in zip(plain.named_parameters(), marked.named_parameters()):
+        if name == "layers.1.input_layernorm.weight":
+            assert torch.equal(b, torch.zeros_like(a)) and torch.equal(a, torch.ones_like(a))
+        else:
+            assert torch.equal(a, b), name

@@ -73,6 +73,11 @@ WORLD2 = [
     "tp2_sp_accum:glm4",
     "pp2_1f1b:glm4",
     "fsdp2:glm4",
+    # Gemma 3: sliding and global layers, each with its rotary table, under the same layouts
+    "tp2:gemma3",
+    "tp2_sp_accum:gemma3",
+    "pp2_1f1b:gemma3",
+    "fsdp2:gemma3",
 ]
 WORLD4 = [
     "dp4",
@@ -171,7 +176,8 @@ def test_sliding_window_variant_is_active(reference):
 
 def test_two_process_layouts_match_single_process(reference, results2):
     """dp2, tp2 (+sequence parallel), fsdp2 (ZeRO-2 and ZeRO-3), pp2 under all 7 schedules; recompute,
-    accumulation, tied embeddings under TP, bf16; Mistral's sliding window and GLM-4 under tp2 (+sp), pp2 and fsdp2."""
+    accumulation, tied embeddings under TP, bf16; Mistral's sliding window, GLM-4 and Gemma 3's sliding/global layers
+    under tp2 (+sp), pp2 and fsdp2."""
     _check(results2, reference, WORLD2)
 
 

@@ -359,3 +359,27 @@ def test_no_window_no_sinks_leaves_the_attention_and_cache_as_they_were():
     assert attn.attend_options() == {}
     cache = model.new_kv_cache(2, 10)
     assert all(t.shape == (2, 2, 10, 16) for t in cache.k + cache.v)
+
+
+# ---------------------------------------------------------------- a softmax scale of the family's own
+
+
+@torch.no_grad()
+def test_attention_scale_is_the_queries_scaled_in_training_and_through_the_cache():
+    """`Attention.scale` (a family's own q.k scale, e.g. Gemma 3's query_pre_attn_scalar ** -0.5) computes what the
+    default scale computes with every q_proj row multiplied by scale * sqrt(head_dim); the cached steps (the rolling
+    ring of a windowed layer and a full one) equal the uncached forward, and attend_options hands it on (context
+    parallelism's attend takes it)."""
+    model, scaled = windowed_model([4, None]), windowed_model([4, None])
+    x = torch.randint(0, VOCAB, (2, 20), generator=torch.Generator().manual_seed(3))
+    scale = 0.37
+    for layer, other in zip(model.layers.values(), scaled.layers.values()):
+        layer.self_attn.scale = scale
+        other.self_attn.q_proj.weight.mul_(scale * layer.self_attn.hd**0.5)
+    want = scaled(x)
+    assert model.layers["0"].self_attn.attend_options() == {"window": 4, "scale": scale}
+    assert (windowed_model([4, None])(x) - want).abs().max() > 1e-3  # the scale matters here
+    torch.testing.assert_close(model(x), want, rtol=1e-5, atol=1e-5)
+    cache = model.new_kv_cache(2, 20)
+    parts = [model(x[:, a:b], cache) for a, b in ((0, 7), (7, 8), (8, 20))]
+    torch.testing.assert_close(torch.cat(parts, 1), want, rtol=1e-5, atol=1e-5)

@@ -42,6 +42,8 @@ MODEL = {
     "cpu_matmul": "onednn",
 }
 
+DROP = object()  # a variant's value that removes MODEL's key (a field the variant's family does not have)
+
 # name -> (overrides, micro-batches per step on each rank). World size = dp x tp x pp of the overrides.
 P = "parallel_config."
 CASES = {
@@ -217,6 +219,14 @@ VARIANTS["glm4"] = {
     _M + "type": "Glm4Config", _M + "qkv_has_bias": True, _M + "use_qk_norm": False,
     _M + "partial_rotary_factor": 0.5,
 }  # fmt: skip
+# Gemma 3-shaped: sliding (window SEQ // 4) and global layers in turn, each kind with its own rotary base (the global
+# one linearly scaled), a score scale other than 1/sqrt(head_dim); untied (pp2 splits it). Gemma has q/k norms and no
+# q/k/v biases by construction: MODEL's two switches are dropped, not overridden.
+VARIANTS["gemma3"] = {
+    _M + "type": "Gemma3Config", _M + "qkv_has_bias": DROP, _M + "use_qk_norm": DROP,
+    _M + "sliding_window": WINDOW, _M + "sliding_window_pattern": 2, _M + "query_pre_attn_scalar": 16,
+    _M + "rope_local_base_freq": 1e3, _M + "global_rope_scaling_factor": 2.0, _M + "tie_word_embeddings": False,
+}  # fmt: skip
 VARIANTS["moe_bal_seq"] = {
     **BALANCE,
     "model.model_config.moe_config.aux_loss_types": ["sequence"],
@@ -269,6 +279,8 @@ def is_packed(variant: str) -> bool:
 def make_cfg(overrides: dict):
     args = []
     for k, v in {**MODEL, **overrides}.items():
+        if v is DROP:
+            continue
         args += [f"--{k}", str(v).lower() if isinstance(v, bool) else str(v)]
     return load_config(None, args)
 

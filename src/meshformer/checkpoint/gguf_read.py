@@ -73,6 +73,8 @@ def read_gguf(path: str | Path) -> SourceModel:
     names = found[1]
 
     config = _config(meta, arch, names, {t.name for t in reader.tensors}, path)
+    if names.read_config is not None:
+        config.update(names.read_config(meta, config))
     # Map every name before dequantizing anything, so a file we cannot convert fails in a second, not a minute.
     hf_names = {t.name: _hf_name(t.name, arch, names, path) for t in reader.tensors if t.name != "rope_freqs.weight"}
     tensors: dict[str, torch.Tensor] = {}
@@ -88,6 +90,8 @@ def read_gguf(path: str | Path) -> SourceModel:
             if values.shape[0] % (2 * heads):
                 raise UserError(f"{path}: {t.name} has {values.shape[0]} rows, not a multiple of 2 x {heads} heads")
             values = _unpermute_rotary(values, heads)
+        if names.norm_shift and t.name.endswith("norm.weight"):  # the stored factor back to the model's weight
+            values = (values.double() - names.norm_shift).float()
         tensors[name] = values
 
     tokenizer_json, tokenizer_config = _tokenizer(meta, path)

@@ -62,7 +62,12 @@ def write_gguf(
     if qtype not in _FILE_TYPES:
         raise UserError(f"GGUF type {qtype!r} is not supported (choose one of {', '.join(_FILE_TYPES)})")
     arch, table = _arch(config)
-    hp = _hyperparameters(config, arch, table.rotary_fraction_key)
+    rope_keys = ("rope_scaling", "rope_parameters")  # an architecture with its own metadata writes its scaling
+    hp = _hyperparameters(
+        {k: v for k, v in config.items() if k not in rope_keys} if table.write_metadata else config,
+        arch,
+        table.rotary_fraction_key,
+    )
     hp["permute_rotary"] = table.permute_rotary
     # Everything that can be refused is checked before the file is opened.
     vocab = _vocabulary(tokenizer_json, tokenizer_config, config, hp["vocab_size"])
@@ -92,12 +97,16 @@ def write_gguf(
             # written: llama.cpp would take rope.scaling.factor for a linear scale on top of the factors.
             writer.add_rope_scaling_orig_ctx_len(int(hp["llama3"].get("original_max_position_embeddings", 8192)))
             writer.add_tensor("rope_freqs.weight", _llama3_rope_factors(hp["llama3"], hp["head_dim"], hp["theta"]))
+        if table.write_metadata is not None:
+            table.write_metadata(writer, gguf, config)
         _add_tokenizer(writer, vocab)
         # One float32 copy at a time; the writer keeps the encoded data until write_tensors_to_file.
         for name, hf_name in names.items():
             values = tensors[hf_name].detach().to(device="cpu", dtype=torch.float32).numpy()
             if heads := _rotary_heads(name, arch, hp):
                 values = _permute_rotary(values, heads)
+            if table.norm_shift and name.endswith("norm.weight"):
+                values = (values.astype(np.float64) + table.norm_shift).astype(np.float32)
             data, raw_dtype = _encode(gguf, values, qtype)
             writer.add_tensor(name, data, raw_dtype=raw_dtype)
         writer.write_header_to_file()

@@ -56,6 +56,9 @@ def init_weights(model: nn.Module, seed: int, dtype: torch.dtype | None = None) 
         name = canonical_name(fqn)
         where = p.device if p.device.type == "cuda" else torch.device("cpu")
         full = _draw(name, tuple(p.shape), seed, std, where)  # a DTensor's shape is the global (full) shape
+        fill = declared_fill(model, fqn)
+        if fill is not None:
+            full = torch.full_like(full, fill)
         if dtype is not None:
             full = full.to(dtype)
         if hasattr(p, "device_mesh"):  # DTensor: keep this rank's slice of the full tensor
@@ -68,6 +71,13 @@ def init_weights(model: nn.Module, seed: int, dtype: torch.dtype | None = None) 
     for m in model.modules():
         if hasattr(m, "reset_buffers"):  # buffers that are state, not weights: rotary tables, an MoE routing bias
             m.reset_buffers()
+
+
+def declared_fill(model: nn.Module, fqn: str) -> float | None:
+    """The constant the module owning parameter `fqn` says its parameters start at (its `init_fill`), or None for
+    the rule by name below: a norm that scales by (1 + weight) starts at 0, the identity, not at 1."""
+    owner = model.get_submodule(fqn.rpartition(".")[0]) if "." in fqn else model
+    return getattr(owner, "init_fill", None)
 
 
 def _draw(name: str, shape: tuple, seed: int, std: float, device: torch.device) -> torch.Tensor:

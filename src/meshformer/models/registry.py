@@ -52,6 +52,16 @@ class GgufArch:
     # part of it: llama.cpp's `rope.dimension_count` is then int(head_dim x fraction), read back as count / head_dim
     # (None: the whole head, dimension_count = head_dim)
     rotary_fraction_key: str | None = None
+    # Added to every `*norm.weight` on write, subtracted on read (llama.cpp's converter `norm_shift`: a norm that
+    # scales by (1 + weight) is stored as the factor llama.cpp multiplies by). Not bit for bit in float32: w + 1
+    # keeps w to 2**-23 absolute.
+    norm_shift: float = 0.0
+    # (writer, gguf module, config.json) -> None: the architecture's own metadata beyond the common keys (windows,
+    # other rotary bases, its rotary scaling: the common keys' check of rope_scaling is skipped when this is set);
+    # a UserError for what llama.cpp cannot compute
+    write_metadata: Callable | None = None
+    # (GGUF metadata {key: value}, config.json read so far) -> config.json keys to add or replace
+    read_config: Callable | None = None
 
 
 @dataclass(frozen=True)

@@ -140,8 +140,10 @@ class Attention(nn.Module):
         super().__init__()
         self.n_heads, self.n_kv, self.hd = mc.num_heads, mc.num_kv_heads, mc.dim_per_head
         # Building blocks a family sets per layer (models/attention.py): a sliding window (a query sees its `window`
-        # latest keys, itself included; None: global) and learned sink logits, a Parameter [heads] (GPT-OSS)
+        # latest keys, itself included; None: global), learned sink logits, a Parameter [heads] (GPT-OSS), and the
+        # softmax scale of q.k (None: 1/sqrt(head_dim); a family whose scores use another scale sets it)
         self.window: int | None = None
+        self.scale: float | None = None
         self.register_parameter("sinks", None)
         self.q_proj = nn.Linear(mc.hidden_size, self.n_heads * self.hd, bias=mc.qkv_has_bias)
         self.k_proj = nn.Linear(mc.hidden_size, self.n_kv * self.hd, bias=mc.qkv_has_bias)
@@ -181,13 +183,14 @@ class Attention(nn.Module):
             allowed = window_band(torch.arange(cache.pos, cache.pos + s, device=x.device), key_positions, self.window)
             if mask is not None:  # document_layout's mask: a column per position; a ring keeps some of them
                 mask = mask if mask.shape[-1] == key_positions.shape[0] else mask.index_select(-1, key_positions)
-            out = sdpa(q, k, v, allowed if mask is None else mask & allowed, sinks=self.local_sinks())
+            out = sdpa(q, k, v, allowed if mask is None else mask & allowed, self.scale, sinks=self.local_sinks())
         return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
 
     def attend_options(self) -> dict:
-        """The window and sinks for `attend`, only those set (context parallelism's installed `attend` takes them
-        too, banding the global positions)."""
+        """The window, sinks and scale for `attend`, only those set (context parallelism's installed `attend` takes
+        them too, banding the global positions)."""
         options = {} if self.window is None else {"window": self.window}
+        options = options if self.scale is None else {**options, "scale": self.scale}
         return options if self.sinks is None else {**options, "sinks": self.local_sinks()}
 
     def local_sinks(self) -> torch.Tensor | None:

@@ -1,0 +1,33 @@
+"""The Gemma 3 family (text model, Hugging Face `gemma3_text`): its decoder of sliding and global layers built from
+Llama's modules (model.py), its config (config.py), config.json mapping (hf.py), GGUF names (gguf.py), FLOPs and
+KV-cache answers (capabilities.py), and its entry in the model-family registry."""
+
+from meshformer.models.gemma3 import capabilities
+from meshformer.models.gemma3.config import CONFIG_CLASSES, SHAPE_FIELDS, Gemma3Config
+from meshformer.models.gemma3.gguf import GGUF_NAMES
+from meshformer.models.gemma3.hf import HF_MODEL_TYPES, config_from_hf, config_to_hf
+from meshformer.models.gemma3.model import Gemma3DecoderLayer, Gemma3Transformer, param_count, tp_plan
+from meshformer.models.llama.model import Attention
+from meshformer.models.registry import ModelFamily, register_family
+
+GEMMA3 = ModelFamily(
+    name="gemma3",
+    config_types=CONFIG_CLASSES,
+    hf_model_types=HF_MODEL_TYPES,
+    build=Gemma3Transformer,
+    tp_plan=tp_plan,
+    param_count=param_count,
+    config_from_hf=config_from_hf,
+    config_to_hf=config_to_hf,
+    gguf_names=GGUF_NAMES,
+    # None: the planner counts activations on the real modules (planner/counted_activations.py): Llama's formulas
+    # know neither the extra norms nor the GeGLU nor the sliding layers' banded masks
+    activation_model=None,
+    shape_fields=SHAPE_FIELDS,
+    attention_cost=capabilities.attention_cost,
+    kv_cache_tokens=capabilities.kv_cache_tokens,
+    cp_attention={Attention: {"attend": "attend"}},
+)
+register_family(GEMMA3)
+
+__all__ = ["GEMMA3", "Gemma3Config", "Gemma3DecoderLayer", "Gemma3Transformer"]
