@@ -146,6 +146,11 @@ class ModelConfig:
         """How many layers have routed experts (none, for the base)."""
         return 0
 
+    def window_of(self, layer: int) -> int | None:
+        """The keys each query of layer `layer` attends, itself included (a sliding window); None: every key before
+        it. The base's layers are global; a family with windows says which (FLOPs and the KV cache follow)."""
+        return None
+
     @property
     def heads_are_dim_per_head(self) -> bool:
         """Every attention head is dim_per_head wide (grouped-query attention); a family whose heads have widths of

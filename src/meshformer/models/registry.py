@@ -94,14 +94,40 @@ def dense_attention_cost(mc) -> AttentionCost:
     )
 
 
+def window_keys(s: int, window: int | None) -> int:
+    """Keys the `s` queries of a row attend in all under a sliding window: query i sees min(i + 1, window)."""
+    w = s if window is None else min(window, s)
+    return w * (w + 1) // 2 + (s - w) * w
+
+
+def windowed_attention_cost(mc) -> AttentionCost:
+    """Grouped-query attention's count (`dense_attention_cost`) with each layer's window (`mc.window_of`): a layer's
+    not-halved count scaled by the share of the causal triangle's scores its window keeps, keys(W) / keys(s). A
+    window as long as the row is the dense count; a short one tends to 2W keys a query, the not-halved count of W."""
+    dense = dense_attention_cost(mc)
+    s, L = mc.seq_length, mc.num_layers
+    causal = window_keys(s, None)
+    keys = sum(window_keys(s, mc.window_of(i)) for i in range(L))
+    if keys == L * causal:
+        return dense
+    heads, hd = mc.num_heads, mc.dim_per_head
+    return AttentionCost(
+        dense.flops_per_token // L * keys // causal,
+        "12 x heads x head_dim x s x sum over layers of keys(W_l) / keys(s), keys(W) = W(W+1)/2 + (s-W)W",
+        f"12 x {heads} x {hd} x {s} x {keys} / {causal}",
+    )
+
+
 def dense_kv_width(mc) -> int:
     """Numbers a KV cache keeps per token and layer: keys and values of every key/value head."""
     return 2 * mc.num_kv_heads * mc.dim_per_head
 
 
-def full_cache_tokens(mc, tokens: int) -> int:
-    """Token slots a KV cache for `tokens` tokens holds, summed over the layers: every layer keeps them all."""
-    return mc.num_layers * tokens
+def window_cache_tokens(mc, tokens: int) -> int:
+    """Token slots a KV cache for `tokens` tokens holds, summed over the layers: a layer with a sliding window keeps
+    a ring of at most its window's keys (models/kv_cache.py), a global one all of them."""
+    windows = [mc.window_of(i) for i in range(mc.num_layers)]
+    return sum(tokens if w is None else min(w, tokens) for w in windows)
 
 
 def dense_cp_gather_width(mc, tp: int) -> int:
@@ -142,11 +168,11 @@ class ModelFamily:
     # The family's own config fields a fine-tune takes from its base model (train/finetune.py adds the common ones;
     # "moe_config.expert_num" names a field of a section)
     shape_fields: tuple[str, ...] = ()
-    attention_cost: Callable = dense_attention_cost  # (ModelConfig) -> AttentionCost
+    attention_cost: Callable = windowed_attention_cost  # (ModelConfig) -> AttentionCost
     kv_cache_width: Callable = dense_kv_width  # (ModelConfig) -> numbers the KV cache keeps per token and layer
     # (ModelConfig, tokens) -> token slots a cache for `tokens` tokens holds over all layers (a sliding-window layer
     # keeps at most its window: models/kv_cache.py)
-    kv_cache_tokens: Callable = full_cache_tokens
+    kv_cache_tokens: Callable = window_cache_tokens
     # Context parallelism (parallel/context_parallel.py): {attention module class: {its attribute: what cp puts
     # there}}; the names cp offers are `attend` (attention over K/V gathered from the cp ranks), `gather` (any
     # per-token tensor gathered over the row) and `attend_gathered` (attention over already gathered K/V). The

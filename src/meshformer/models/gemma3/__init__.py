@@ -1,8 +1,7 @@
 """The Gemma 3 family (text model, Hugging Face `gemma3_text`): its decoder of sliding and global layers built from
-Llama's modules (model.py), its config (config.py), config.json mapping (hf.py), GGUF names (gguf.py), FLOPs and
-KV-cache answers (capabilities.py), and its entry in the model-family registry."""
+Llama's modules (model.py), its config (config.py), config.json mapping (hf.py), GGUF names (gguf.py) and its
+entry in the model-family registry; FLOPs and the KV cache follow each layer's `window_of`."""
 
-from meshformer.models.gemma3 import capabilities
 from meshformer.models.gemma3.config import CONFIG_CLASSES, SHAPE_FIELDS, Gemma3Config
 from meshformer.models.gemma3.gguf import GGUF_NAMES
 from meshformer.models.gemma3.hf import HF_MODEL_TYPES, config_from_hf, config_to_hf
@@ -24,8 +23,6 @@ GEMMA3 = ModelFamily(
     # know neither the extra norms nor the GeGLU nor the sliding layers' banded masks
     activation_model=None,
     shape_fields=SHAPE_FIELDS,
-    attention_cost=capabilities.attention_cost,
-    kv_cache_tokens=capabilities.kv_cache_tokens,
     cp_attention={Attention: {"attend": "attend"}},
 )
 register_family(GEMMA3)

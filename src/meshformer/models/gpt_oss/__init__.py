@@ -1,8 +1,8 @@
 """The GPT-OSS family: Llama's decoder with biased attention, learned sinks, sliding windows on alternate layers and
 an MoE block with biased experts and the clamped SwiGLU on every layer (model.py), its config (config.py),
-config.json and tensor mapping (hf.py), FLOPs and KV-cache answers (capabilities.py), and its registry entry."""
+config.json and tensor mapping (hf.py) and its registry entry; FLOPs and the KV cache follow each layer's
+`window_of`."""
 
-from meshformer.models.gpt_oss import capabilities
 from meshformer.models.gpt_oss.config import CONFIG_CLASSES, SHAPE_FIELDS, GptOssConfig
 from meshformer.models.gpt_oss.hf import (
     HF_MODEL_TYPES,
@@ -35,8 +35,6 @@ GPT_OSS = ModelFamily(
     # the sinks' extra key and the routed experts' closed form)
     activation_model=None,
     shape_fields=SHAPE_FIELDS,
-    attention_cost=capabilities.attention_cost,
-    kv_cache_tokens=capabilities.kv_cache_tokens,
     cp_attention={Attention: {"attend": "attend"}},
 )
 register_family(GPT_OSS)

@@ -1,9 +1,9 @@
 """The Mistral family: Llama's decoder with a sliding window on every layer (model.py), its config (config.py),
-config.json mapping (hf.py), FLOPs and KV-cache answers (capabilities.py), and its entry in the model-family
-registry. Mistral with `sliding_window: null` is this family too, its attention global."""
+config.json mapping (hf.py) and its entry in the model-family registry; FLOPs and the KV cache follow the config's
+`window_of` (the registry's windowed defaults). Mistral with `sliding_window: null` is this family too, its
+attention global."""
 
 from meshformer.models.llama.model import Attention, param_count, tp_plan
-from meshformer.models.mistral import capabilities
 from meshformer.models.mistral.config import CONFIG_CLASSES, SHAPE_FIELDS, MistralConfig
 from meshformer.models.mistral.hf import HF_MODEL_TYPES, config_from_hf, config_to_hf
 from meshformer.models.mistral.model import MistralDecoderLayer, MistralTransformer
@@ -22,8 +22,6 @@ MISTRAL = ModelFamily(
     # window's banded mask that Llama's formulas leave out (measured: 8 bytes from the step, Llama's formulas 1.4% low)
     activation_model=None,
     shape_fields=SHAPE_FIELDS,
-    attention_cost=capabilities.attention_cost,
-    kv_cache_tokens=capabilities.kv_cache_tokens,
     cp_attention={Attention: {"attend": "attend"}},
 )
 register_family(MISTRAL)

@@ -19,6 +19,9 @@ class MistralConfig(LlamaConfig):
         None, "Keys each query attends, itself included (Mistral's sliding window; None: global attention).", gt=0
     )
 
+    def window_of(self, layer: int) -> int | None:
+        return self.sliding_window  # every layer's
+
     def validate(self, cfg) -> None:
         if self.qkv_has_bias or self.use_qk_norm:
             raise UserError(
