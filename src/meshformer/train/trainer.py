@@ -29,6 +29,7 @@ from meshformer.models import num_params
 from meshformer.observe.timing import StepClock
 from meshformer.parallel import ModelParts, ParallelEnv, init_parallel
 from meshformer.parallel.batch_plan import BatchPlan
+from meshformer.train import moe_balance  # noqa: F401  (registers the MoE balance hook every MoE run needs)
 from meshformer.train.checkpointing import Checkpointing, check_resumable, run_identity
 from meshformer.train.data import TrainingData
 from meshformer.train.evaluation import Evaluation
