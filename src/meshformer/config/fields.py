@@ -91,9 +91,9 @@ MODEL_CONFIGS = ModelConfigClasses()  # model_config.type's choices and classes 
 
 
 class RegisteredDatasetFormats:
-    """`data_loader.type`'s choices: the dataset formats registered when the value is checked (data/registry.py; a
-    format registered at run time is accepted). Imported when first checked: the data modules import no config,
-    so this is a dependency one way, not a cycle."""
+    """`data_loader.type`'s choices: the built-in dataset formats and those registered when the value is checked
+    (data/formats.py, read without importing the openers; a format registered at run time is accepted). Imported
+    when first checked: the data modules import no config, so this is a dependency one way, not a cycle."""
 
     def _names(self) -> list[str]:
         from meshformer.data.formats import dataset_formats  # no torch: the openers stay unimported
