@@ -6,8 +6,8 @@ Prints, for fp32 and bf16 (bf16 only where the CPU has bf16 matmul units):
      q/k/v and gate/up as three/two matmuls or one fused (a fused projection pays only if it runs faster); in fp32
      also on oneDNN, as `cpu_matmul: onednn` runs them (backends/cpu.py);
   2. attention, forward + backward per layer: SDPA flash, SDPA's math backend, the unfused form (HF "eager":
-     `q @ k^T`, fp32 softmax, `@ v`), and compiled: meshformer's causal_attention (the blocked kernel under its
-     checkpoint, models/attention.py) against the same function told to run SDPA;
+     `q @ k^T`, fp32 softmax, `@ v`), and compiled: meshformer's causal_attention as a compiled CPU step runs it
+     (the blocked kernel under its checkpoint, backends/cpu_attention.py) against its SDPA path (models/attention.py);
   3. the loss over `[batch, seq, vocab]` logits, eager and compiled (meshformer's make_loss_fn);
   4. AdamW over the model's parameter shapes: foreach against fused.
 Each figure is the best of several calls after warm-up (a busy machine slows calls, never speeds one up).
@@ -78,27 +78,22 @@ def attention(dt, batch: int, heads: int, seq: int, head_dim: int) -> None:
         p = torch.softmax(s.masked_fill(~mask, float("-inf")).float(), -1).to(dt)
         (p @ v).backward(g)
 
-    import meshformer.models.attention as attention
+    from meshformer.backends.cpu_attention import checkpointed_attention
+    from meshformer.models.attention import sdpa_causal_attention
 
-    compiled = torch.compile(attention.causal_attention, dynamic=False)
-
-    def compiled_with(blocked: bool):
-        def run():
-            attention.BLOCKED_ON_CPU = blocked  # a guarded global: one compiled graph for each value
-            compiled(q, k, v).backward(g)
-
-        return run
+    def compiled(fn):  # each attention path compiled on its own, as a compiled CPU step runs causal_attention
+        compiled_fn = torch.compile(fn, dynamic=False)
+        return lambda: compiled_fn(q, k, v).backward(g)
 
     variants = (
         ("SDPA flash", flash),
         ("SDPA math backend", math_backend),
         ("unfused (HF eager)", unfused),
-        ("compiled SDPA flash", compiled_with(False)),
-        ("compiled blocked (meshformer)", compiled_with(True)),
+        ("compiled SDPA flash", compiled(sdpa_causal_attention)),
+        ("compiled blocked (meshformer)", compiled(checkpointed_attention)),
     )
     for name, fn in variants:
         print(f"  {name}: {best_ms(fn, 6):.1f} ms forward + backward per layer")
-    attention.BLOCKED_ON_CPU = True
 
 
 def loss(dt, batch: int, seq: int, vocab: int) -> None:

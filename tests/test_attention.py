@@ -1,6 +1,6 @@
-"""The blocked causal attention (models/attention.py) against torch's SDPA: exact gradients (gradcheck in float64),
-the same outputs and gradients as SDPA in fp32 and bf16, less kept memory than flash attention, and the dispatch
-that runs it only where it was measured faster (compiled, on a CPU)."""
+"""The blocked causal attention (backends/cpu_attention.py) against torch's SDPA: exact gradients (gradcheck in
+float64), the same outputs and gradients as SDPA in fp32 and bf16, less kept memory than flash attention, and the
+dispatch that runs it only where it was measured faster (compiled, on a CPU)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ import torch
 import torch.nn.functional as F
 
 from conftest import tiny_overrides
-from meshformer.models.attention import blocked_causal_attention, causal_attention
+from meshformer.backends.cpu_attention import blocked_causal_attention
+from meshformer.models.attention import causal_attention
 
 
 def _qkv(b, heads, kv, s, d, dtype, seed=0):

@@ -237,7 +237,7 @@ def test_yarn_tables_and_softmax_scale_are_transformers(rope):
 
 
 def test_blocked_attention_with_a_scale_and_narrower_values_is_sdpa():
-    from meshformer.models.attention import blocked_causal_attention
+    from meshformer.backends.cpu_attention import blocked_causal_attention
 
     g = torch.Generator().manual_seed(0)
     q, k = torch.randn(2, 4, 40, 24, generator=g), torch.randn(2, 4, 40, 24, generator=g)

@@ -1,4 +1,5 @@
-"""Sliding-window attention, attention sinks and the rolling KV cache (models/attention.py, models/llama/model.py):
+"""Sliding-window attention, attention sinks and the rolling KV cache (models/attention.py, models/llama/model.py; the
+blocked kernel: backends/cpu_attention.py):
 each against a naive masked softmax written here and against transformers' own code (its sliding-window mask
 function, GPT-OSS's eager attention with sinks, a tiny MistralForCausalLM with a window shorter than the text),
 forward and backward in fp32; windows with packed documents equal each document alone; the compiled CPU kernel
@@ -9,9 +10,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from meshformer.backends.cpu_attention import blocked_causal_attention
 from meshformer.config.model_schema import ModelConfig
 from meshformer.models import create_model
-from meshformer.models.attention import blocked_causal_attention, causal_attention, window_band
+from meshformer.models.attention import causal_attention, window_band
 from meshformer.models.generate import generate, generate_batch
 from meshformer.models.llama import KVCache, document_layout
 from meshformer.models.registry import model_config

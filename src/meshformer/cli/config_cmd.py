@@ -36,17 +36,17 @@ def iter_fields(cls=MeshformerConfig, prefix: str = ""):
 def _family_fields(name: str):
     """Each family's own fields: those of its config classes that the base has not, or has otherwise (another
     default, doc or choices), under the family's types; a default that differs between its types names each."""
-    from meshformer.models.registry import families
+    from meshformer.models.registry import family_config_classes  # the config classes only: no torch imported
 
     common = {row[0]: row for row in iter_fields(ModelConfig, name + ".")}
-    for family in families():
+    for family, config_types in family_config_classes().items():
         rows: dict[str, list] = {}
-        for type_name, cls in family.config_types.items():
+        for type_name, cls in config_types.items():
             for row in iter_fields(cls, name + "."):
                 if row[0] != f"{name}.type" and row[1] != "section" and common.get(row[0]) != row:
                     rows.setdefault(row[0], []).append((type_name, row))
-        types = ", ".join(family.config_types)
-        yield f"{name} ({types})", "section", None, f"The {family.name} family's own fields (its config classes).", None
+        types = ", ".join(config_types)
+        yield f"{name} ({types})", "section", None, f"The {family} family's own fields (its config classes).", None
         for per_type in rows.values():
             field, tp, default, doc, choices = per_type[0][1]
             defaults = {t: row[2] for t, row in per_type}

@@ -138,8 +138,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     try:
         args = parse(parser, argv)  # help and argument errors answer before torch loads
-        # The model registry fills the schema's choices of model_config.type (config/fields.py MODEL_CONFIGS), so a
-        # typo there is refused when the config loads, before anything else runs.
+        # The models package fills the schema's choices of model_config.type with the families' config classes
+        # (config/fields.py MODEL_CONFIGS; no torch), so a typo there is refused when the config loads, before
+        # anything else runs.
         importlib.import_module("meshformer.models")
         rc = int(args.func(args) or 0)
         sys.stdout.flush()  # a reader that went away shows here, not in the interpreter's flush at exit

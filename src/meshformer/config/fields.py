@@ -42,11 +42,12 @@ def schema_fields(cls: type) -> tuple:
 
 
 class ModelConfigClasses:
-    """`model_config.type` -> the config class of the family that builds it. The families fill it as they register
-    (models/registry.py `register_family`, when `meshformer.models` is imported): the models import this schema, so
-    the schema may not import them. Iterating gives the names (the `type` field's choices). Asking for a class while
-    nothing is registered is a programming error, never a silent pass: every entry point (the CLI, the trainer, the
-    planner, the tests' conftest) imports the models before it loads a config (docs/design.md, Config classes)."""
+    """`model_config.type` -> the config class of the family that builds it. The models fill it (models/registry.py:
+    the built-in families' classes when `meshformer.models` is imported, others' as they register): the models
+    import this schema, so the schema may not import them. Iterating gives the names (the `type` field's choices).
+    Asking for a class while nothing is registered is a programming error, never a silent pass: every entry point
+    (the CLI, the trainer, the planner, the tests' conftest) imports the models before it loads a config
+    (docs/design.md, Config classes)."""
 
     def __init__(self) -> None:
         self._classes: dict[str, type] = {}
@@ -86,16 +87,16 @@ class ModelConfigClasses:
         return repr(tuple(self._classes))
 
 
-MODEL_CONFIGS = ModelConfigClasses()  # model_config.type's choices and classes (models/registry.py register_family)
+MODEL_CONFIGS = ModelConfigClasses()  # model_config.type's choices and classes (filled by models/registry.py)
 
 
 class RegisteredDatasetFormats:
-    """`data_loader.type`'s choices: the dataset formats registered when the value is checked (data/registry.py; a
-    format registered at run time is accepted). Imported when first checked: the data modules import no config,
-    so this is a dependency one way, not a cycle."""
+    """`data_loader.type`'s choices: the built-in dataset formats and those registered when the value is checked
+    (data/formats.py, read without importing the openers; a format registered at run time is accepted). Imported
+    when first checked: the data modules import no config, so this is a dependency one way, not a cycle."""
 
     def _names(self) -> list[str]:
-        from meshformer.data.registry import dataset_formats
+        from meshformer.data.formats import dataset_formats  # no torch: the openers stay unimported
 
         return dataset_formats()
 

@@ -8,12 +8,16 @@ re-exports these functions.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from meshformer.data.protocol import Dataset
+if TYPE_CHECKING:  # the protocol imports torch; the names below are read without it (`meshformer config explain`)
+    from meshformer.data.protocol import Dataset
 
-OpenFn = Callable[[Any, str, int, str], Dataset]
+OpenFn = Callable[[Any, str, int, str], "Dataset"]
 FORMATS: dict[str, OpenFn] = {}
+# The formats meshformer ships, each registered by its own module when data/registry.py imports it; named here too so
+# that `data_loader.type`'s choices are known without importing those modules (they import torch).
+BUILTIN_FORMATS = ("BlendedMegatronDatasetDataLoader", "MindDataset", "PreferenceDataset")
 
 
 def register_dataset_format(type_name: str, open_fn: OpenFn) -> None:
@@ -26,4 +30,5 @@ def unregister_dataset_format(type_name: str) -> None:
 
 
 def dataset_formats() -> list[str]:
-    return sorted(FORMATS)
+    """Every `data_loader.type` a dataset opens with: the built-in formats and those registered."""
+    return sorted(set(BUILTIN_FORMATS) | set(FORMATS))

@@ -5,7 +5,8 @@ plus one `register_family` call; the config loader, the trainer, the planner, th
 the family up by the config's `model_config.type` (`family_of`) or by a Hugging Face config.json (`family_for_hf`)
 and ask it what varies by architecture (its config class, FLOPs, KV cache, context parallelism, the fields a
 fine-tune takes): they never name an architecture, an attention class or a family's field themselves
-(tests/test_structure.py scans for it). Families are registered when `meshformer.models` is imported.
+(tests/test_structure.py scans for it). The built-in families (`BUILTIN_FAMILIES`, each a folder's name) register on
+the registry's first use; their config classes, which need no torch, as soon as `meshformer.models` is imported.
 
 The model a family builds is a plain nn.Module with `.config`, `layers` (a ModuleDict keyed by the global layer
 index) and, for pipeline splitting, optional `embed_tokens` / `norm` / `lm_head` (docs/design.md, Seams).
@@ -15,12 +16,17 @@ Parameter names are the Hugging Face names minus what `to_hf` adds, so conversio
 from __future__ import annotations
 
 import difflib
+import importlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from meshformer.config.fields import MODEL_CONFIGS
 from meshformer.config.model_schema import ModelConfig
 from meshformer.errors import UserError
+
+# The built-in families, in the order they register: each the name of its folder under models/, which holds its config
+# classes (config.py, no torch) and its registry entry (family.py). Adding a family adds its folder and its name here.
+BUILTIN_FAMILIES = ("llama", "llama_moe", "deepseek", "mistral", "gpt_oss", "glm4", "gemma3")
 
 HF_HEAD = "lm_head.weight"  # every *ForCausalLM's output projection, outside the `model.` body
 
@@ -218,10 +224,13 @@ class ModelFamily:
 
 
 _FAMILIES: dict[str, ModelFamily] = {}
+_BUILTIN_REGISTERED = False
 
 
 def register_family(family: ModelFamily) -> ModelFamily:
-    """Add a family; its config types, Hugging Face architectures and GGUF names must be new."""
+    """Add a family; its config types, Hugging Face architectures and GGUF names must be new. The built-in families
+    come first, whoever registers first."""
+    _ensure_builtin()
     for other in _FAMILIES.values():
         clash = (
             set(family.config_types) & set(other.config_types)
@@ -316,7 +325,38 @@ def gguf_architectures() -> list[str]:
     return [arch for f in families() for arch in f.gguf_names]
 
 
+def builtin_config_classes(name: str) -> dict[str, type]:
+    """The config classes of built-in family `name` (`model_config.type` -> class), from its folder's config.py:
+    no torch, nothing built."""
+    return importlib.import_module(f"meshformer.models.{name}.config").CONFIG_CLASSES
+
+
+def register_builtin_configs() -> None:
+    """The built-in families' config classes as `model_config.type`'s choices (config/fields.py MODEL_CONFIGS), for
+    the loader; `import meshformer.models` calls it, the families themselves register on first use."""
+    for name in BUILTIN_FAMILIES:
+        for type_name, cls in builtin_config_classes(name).items():
+            MODEL_CONFIGS.add(type_name, cls)
+
+
+def family_config_classes() -> dict[str, dict[str, type]]:
+    """Each family's name -> its config classes, in the order of `families()`, without registering the built-in
+    ones (their config.py only: no torch, for `meshformer config explain`)."""
+    out = {name: builtin_config_classes(name) for name in BUILTIN_FAMILIES}
+    out.update((f.name, f.config_types) for f in _FAMILIES.values())
+    return out
+
+
 def _ensure_builtin() -> None:
-    """The built-in families register themselves on `import meshformer.models`; a caller that reached the
-    registry module directly gets them too."""
-    import meshformer.models  # noqa: F401
+    """Register the built-in families (`BUILTIN_FAMILIES`) on first use: each folder's family.py, which builds on
+    torch, is imported only here."""
+    global _BUILTIN_REGISTERED
+    if _BUILTIN_REGISTERED:
+        return
+    _BUILTIN_REGISTERED = True  # before the imports: each family.py calls register_family, which comes back here
+    try:
+        for name in BUILTIN_FAMILIES:
+            importlib.import_module(f"meshformer.models.{name}.family")
+    except BaseException:
+        _BUILTIN_REGISTERED = False  # the next use tries again (the families already imported stay registered)
+        raise

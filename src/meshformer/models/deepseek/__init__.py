@@ -1,47 +1,15 @@
 """The DeepSeek family (DeepSeek-V2, V2-Lite, V3): multi-head latent attention (mla.py, its rotary and YaRN in
 rope_yarn.py) with Mixture-of-Experts blocks (model.py), its config.json and per-expert tensor names (hf.py), and its
-entry in the model-family registry. Multi-token prediction is left out (model.py says why)."""
+entry in the model-family registry. Multi-token prediction is left out (model.py says why).
 
-from meshformer.models.deepseek import capabilities
-from meshformer.models.deepseek.config import CONFIG_CLASSES, SHAPE_FIELDS, DeepseekConfig
-from meshformer.models.deepseek.hf import (
-    HF_MODEL_TYPES,
-    config_from_hf,
-    config_to_hf,
-    from_hf_tensors,
-    to_hf_tensors,
+Importing the package imports none of them (no torch): its attributes load on first use (models/lazy.py)."""
+
+from meshformer.models.lazy import lazy_exports
+
+__getattr__, __dir__, __all__ = lazy_exports(
+    __name__,
+    family=("DEEPSEEK",),
+    config=("DeepseekConfig",),
+    mla=("LatentAttention", "LatentCache"),
+    model=("DeepseekTransformer", "param_count", "tp_plan"),
 )
-from meshformer.models.deepseek.mla import LatentAttention, LatentCache
-from meshformer.models.deepseek.model import DeepseekTransformer, param_count, tp_plan
-from meshformer.models.registry import ModelFamily, register_family
-
-DEEPSEEK = ModelFamily(
-    name="deepseek",
-    config_types=CONFIG_CLASSES,
-    hf_model_types=HF_MODEL_TYPES,
-    build=DeepseekTransformer,
-    tp_plan=tp_plan,
-    param_count=param_count,
-    config_from_hf=config_from_hf,
-    config_to_hf=config_to_hf,
-    from_hf_tensors=from_hf_tensors,
-    to_hf_tensors=to_hf_tensors,
-    moe=True,
-    shape_fields=SHAPE_FIELDS,
-    attention_cost=capabilities.attention_cost,
-    kv_cache_width=capabilities.latent_width,
-    cp_attention={LatentAttention: {"gather_latent": "gather", "attend": "attend_gathered"}},
-    cp_gather_width=capabilities.latent_width,
-    cp_saved_bytes=capabilities.cp_saved_bytes,
-)
-register_family(DEEPSEEK)
-
-__all__ = [
-    "DEEPSEEK",
-    "DeepseekConfig",
-    "DeepseekTransformer",
-    "LatentAttention",
-    "LatentCache",
-    "param_count",
-    "tp_plan",
-]

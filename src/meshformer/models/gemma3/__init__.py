@@ -1,30 +1,14 @@
 """The Gemma 3 family (text model, Hugging Face `gemma3_text`): its decoder of sliding and global layers built from
 Llama's modules (model.py), its config (config.py), config.json mapping (hf.py), GGUF names (gguf.py) and its
-entry in the model-family registry; FLOPs and the KV cache follow each layer's `window_of`."""
+entry in the model-family registry; FLOPs and the KV cache follow each layer's `window_of`.
 
-from meshformer.models.gemma3.config import CONFIG_CLASSES, SHAPE_FIELDS, Gemma3Config
-from meshformer.models.gemma3.gguf import GGUF_NAMES
-from meshformer.models.gemma3.hf import HF_MODEL_TYPES, config_from_hf, config_to_hf
-from meshformer.models.gemma3.model import Gemma3DecoderLayer, Gemma3Transformer, param_count, tp_plan
-from meshformer.models.llama.model import Attention
-from meshformer.models.registry import ModelFamily, register_family
+Importing the package imports none of them (no torch): its attributes load on first use (models/lazy.py)."""
 
-GEMMA3 = ModelFamily(
-    name="gemma3",
-    config_types=CONFIG_CLASSES,
-    hf_model_types=HF_MODEL_TYPES,
-    build=Gemma3Transformer,
-    tp_plan=tp_plan,
-    param_count=param_count,
-    config_from_hf=config_from_hf,
-    config_to_hf=config_to_hf,
-    gguf_names=GGUF_NAMES,
-    # None: the planner counts activations on the real modules (planner/counted_activations.py): Llama's formulas
-    # know neither the extra norms nor the GeGLU nor the sliding layers' banded masks
-    activation_model=None,
-    shape_fields=SHAPE_FIELDS,
-    cp_attention={Attention: {"attend": "attend"}},
+from meshformer.models.lazy import lazy_exports
+
+__getattr__, __dir__, __all__ = lazy_exports(
+    __name__,
+    family=("GEMMA3",),
+    config=("Gemma3Config",),
+    model=("Gemma3DecoderLayer", "Gemma3Transformer"),
 )
-register_family(GEMMA3)
-
-__all__ = ["GEMMA3", "Gemma3Config", "Gemma3DecoderLayer", "Gemma3Transformer"]

@@ -1,33 +1,15 @@
 """The GLM-4 family (GLM-4-0414, Hugging Face `glm4`): Llama's decoder with partial interleaved rotary and post-block
 norms (model.py), its config (config.py), config.json and fused gate/up mapping (hf.py), GGUF names (gguf.py), and its
 entry in the model-family registry. FLOPs, the KV cache and context parallelism are grouped-query attention's, as
-Llama's: the rotary layout is its tables' (model.py), applied before context parallelism's `attend`."""
+Llama's: the rotary layout is its tables' (model.py), applied before context parallelism's `attend`.
 
-from meshformer.models.glm4.config import CONFIG_CLASSES, SHAPE_FIELDS, Glm4Config
-from meshformer.models.glm4.gguf import GGUF_NAMES
-from meshformer.models.glm4.hf import HF_MODEL_TYPES, config_from_hf, config_to_hf, join_gate_up, split_gate_up
-from meshformer.models.glm4.model import Glm4DecoderLayer, Glm4Transformer, GlmRopeTables, param_count, tp_plan
-from meshformer.models.llama.model import Attention
-from meshformer.models.registry import ModelFamily, register_family
+Importing the package imports none of them (no torch): its attributes load on first use (models/lazy.py)."""
 
-GLM4 = ModelFamily(
-    name="glm4",
-    config_types=CONFIG_CLASSES,
-    hf_model_types=HF_MODEL_TYPES,
-    build=Glm4Transformer,
-    tp_plan=tp_plan,
-    param_count=param_count,
-    config_from_hf=config_from_hf,
-    config_to_hf=config_to_hf,
-    from_hf_tensors=split_gate_up,
-    to_hf_tensors=join_gate_up,
-    gguf_names=GGUF_NAMES,
-    # None: the planner counts activations on the real modules (planner/counted_activations.py), which keep the
-    # two post-block norms' inputs that Llama's formulas leave out
-    activation_model=None,
-    shape_fields=SHAPE_FIELDS,
-    cp_attention={Attention: {"attend": "attend"}},
+from meshformer.models.lazy import lazy_exports
+
+__getattr__, __dir__, __all__ = lazy_exports(
+    __name__,
+    family=("GLM4",),
+    config=("Glm4Config",),
+    model=("Glm4DecoderLayer", "Glm4Transformer", "GlmRopeTables"),
 )
-register_family(GLM4)
-
-__all__ = ["GLM4", "Glm4Config", "Glm4DecoderLayer", "Glm4Transformer", "GlmRopeTables"]

@@ -1,35 +1,12 @@
 """The MoE Llama family (Mixtral, Qwen2-MoE, Qwen3-MoE): Llama attention with Mixture-of-Experts blocks (model.py),
-its config.json and per-expert tensor names (hf.py), and its entry in the model-family registry."""
+its config.json and per-expert tensor names (hf.py), and its entry in the model-family registry.
 
-from meshformer.models.llama.model import Attention
-from meshformer.models.llama_moe.config import CONFIG_CLASSES, SHAPE_FIELDS
-from meshformer.models.llama_moe.hf import (
-    HF_MODEL_TYPES,
-    config_from_hf,
-    config_to_hf,
-    from_hf,
-    from_hf_tensors,
-    to_hf_for,
+Importing the package imports none of them (no torch): its attributes load on first use (models/lazy.py)."""
+
+from meshformer.models.lazy import lazy_exports
+
+__getattr__, __dir__, __all__ = lazy_exports(
+    __name__,
+    family=("LLAMA_MOE",),
+    model=("MoeDecoderLayer", "MoeTransformer", "param_count", "tp_plan"),
 )
-from meshformer.models.llama_moe.model import MoeDecoderLayer, MoeTransformer, param_count, tp_plan
-from meshformer.models.registry import ModelFamily, register_family
-
-LLAMA_MOE = ModelFamily(
-    name="llama_moe",
-    config_types=CONFIG_CLASSES,
-    hf_model_types=HF_MODEL_TYPES,
-    build=MoeTransformer,
-    tp_plan=tp_plan,
-    param_count=param_count,
-    config_from_hf=config_from_hf,
-    config_to_hf=config_to_hf,
-    from_hf=from_hf,
-    from_hf_tensors=from_hf_tensors,
-    to_hf_for=to_hf_for,
-    moe=True,
-    shape_fields=SHAPE_FIELDS,
-    cp_attention={Attention: {"attend": "attend"}},
-)
-register_family(LLAMA_MOE)
-
-__all__ = ["LLAMA_MOE", "MoeDecoderLayer", "MoeTransformer", "param_count", "tp_plan"]

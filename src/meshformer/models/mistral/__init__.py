@@ -1,29 +1,15 @@
 """The Mistral family: Llama's decoder with a sliding window on every layer (model.py), its config (config.py),
 config.json mapping (hf.py) and its entry in the model-family registry; FLOPs and the KV cache follow the config's
 `window_of` (the registry's windowed defaults). Mistral with `sliding_window: null` is this family too, its
-attention global."""
+attention global.
 
-from meshformer.models.llama.model import Attention, param_count, tp_plan
-from meshformer.models.mistral.config import CONFIG_CLASSES, SHAPE_FIELDS, MistralConfig
-from meshformer.models.mistral.hf import HF_MODEL_TYPES, config_from_hf, config_to_hf
-from meshformer.models.mistral.model import MistralDecoderLayer, MistralTransformer
-from meshformer.models.registry import ModelFamily, register_family
+Importing the package imports none of them (no torch): its attributes load on first use (models/lazy.py)."""
 
-MISTRAL = ModelFamily(
-    name="mistral",
-    config_types=CONFIG_CLASSES,
-    hf_model_types=HF_MODEL_TYPES,
-    build=MistralTransformer,
-    tp_plan=tp_plan,
-    param_count=param_count,
-    config_from_hf=config_from_hf,
-    config_to_hf=config_to_hf,
-    # None: the planner counts activations on the real modules (planner/counted_activations.py), which keep the
-    # window's banded mask that Llama's formulas leave out (measured: 8 bytes from the step, Llama's formulas 1.4% low)
-    activation_model=None,
-    shape_fields=SHAPE_FIELDS,
-    cp_attention={Attention: {"attend": "attend"}},
+from meshformer.models.lazy import lazy_exports
+
+__getattr__, __dir__, __all__ = lazy_exports(
+    __name__,
+    family=("MISTRAL",),
+    config=("MistralConfig",),
+    model=("MistralDecoderLayer", "MistralTransformer"),
 )
-register_family(MISTRAL)
-
-__all__ = ["MISTRAL", "MistralConfig", "MistralDecoderLayer", "MistralTransformer"]

@@ -1,0 +1,102 @@
+"""The CPU backend's causal attention: query blocks of plain batched matmuls, what a compiled CPU training step runs
+instead of SDPA (models/attention.py `causal_attention` asks `runs_blocked` and calls `checkpointed_attention`).
+
+torch's CPU flash-attention kernel (what `F.scaled_dot_product_attention(is_causal=True)` runs on a CPU) reaches
+about a third of the matmul peak in fp32 and a tenth of it in bf16 (bench/cpu_kernels.py, docs/benchmarks.md): its
+backward is a scalar-heavy loop, and it gains nothing from bf16. `blocked_causal_attention` computes the same
+attention in blocks of query rows with batched matmuls: block i's queries score against keys 0 .. end of block i
+only (the blocks above the diagonal are skipped, as flash skips them), the softmax runs in fp32 and its
+probabilities are rounded to the input dtype before they meet v, as flash rounds them. Inductor fuses each block's
+element-wise work (scale, mask, softmax and their backward) into a few kernels.
+
+`checkpointed_attention` runs it under activation checkpointing: only q, k and v are kept for backward, which
+recomputes the blocks (no [seq, seq] scores survive the forward, and the compiled graph's partitioner cannot choose
+to keep them, as it does without the checkpoint).
+
+GQA: the query heads that share a key/value head are stacked along the rows of one matmul ([groups * block,
+head_dim] against [keys, head_dim]): keys and values are never repeated. Packed rows (SFT packing) pass their
+document mask, which replaces the causal one block by block. A sliding window (models/attention.py `window_band`'s
+convention: the query at i sees the keys i - window < j <= i) also skips whole key blocks left of it; attention
+sinks (GPT-OSS) join each row's softmax as one more column of value zero.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.utils.checkpoint
+
+# At most this many query blocks: the loop unrolls into the compiled graph, whose size (and compile time) grows with
+# it; 16 blocks skip 47% of the score matmuls (flash's causal skipping reaches 50%).
+MAX_BLOCKS = 16
+MIN_BLOCK = 64  # fastest on the CPU measured: 32 leaves the matmuls too small, 128 skips fewer scores
+
+
+def runs_blocked(q: torch.Tensor) -> bool:
+    """Whether causal attention over `q` runs the blocked kernel: a plain CPU tensor in a compiled graph. Eager, its
+    element-wise passes over the scores are not fused and it is no faster than flash; on GPUs (whose flash kernels
+    are fast) and on DTensors, SDPA runs."""
+    return q.device.type == "cpu" and torch.compiler.is_compiling() and type(q) is torch.Tensor
+
+
+def checkpointed_attention(q, k, v, mask=None, scale=None, window=None, sinks=None) -> torch.Tensor:
+    """`blocked_causal_attention` (its own block size) under a non-reentrant checkpoint: backward keeps q, k, v."""
+    return torch.utils.checkpoint.checkpoint(
+        blocked_causal_attention, q, k, v, 0, mask, scale, window, sinks, use_reentrant=False
+    )
+
+
+def blocked_causal_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    block: int = 0,
+    mask: torch.Tensor | None = None,
+    scale: float | None = None,
+    window: int | None = None,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """q and k [b, heads / kv_heads, s, d], v [b, kv_heads, s, dv] -> [b, heads, s, dv] (laid out [b, s, heads, dv],
+    as the flash kernel lays its output, so that merging the heads is a view); causal, scale 1/sqrt(d) unless given
+    (latent attention's values are narrower than its keys, and YaRN changes its scale).
+    block: query rows per block (0: MIN_BLOCK, raised so that there are at most MAX_BLOCKS).
+    mask: [b, 1, s, s], True where a query may attend (packed documents: `llama.document_layout`); it must be
+    causal itself, since the keys after each block are skipped.
+    window: the sliding window (None: global): key blocks left of a block's first query's window are skipped too.
+    sinks: [heads] logits joining each row's softmax as a column of value zero (module docstring)."""
+    b, h, s, d = q.shape
+    kv, dv = k.shape[1], v.shape[-1]
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    g = h // kv
+    block = block or max(MIN_BLOCK, -(-s // MAX_BLOCKS))
+    acc = torch.promote_types(q.dtype, torch.float32)
+    outs = []
+    for i0 in range(0, s, block):
+        i1 = min(i0 + block, s)
+        n = i1 - i0
+        k0 = 0 if window is None else max(0, i0 - window + 1)  # the first key the block's first query sees
+        rows = q[:, :, i0:i1].reshape(b, kv, g * n, d)  # the group's heads stacked: one matmul per kv head
+        scores = torch.matmul(rows, k[:, :, k0:i1].transpose(-1, -2)).to(acc) * scale
+        if window is not None:
+            band = _window_band(i0, i1, k0, window, q.device)
+            allowed = band.repeat(g, 1) if mask is None else (mask[:, :, i0:i1, k0:i1] & band).repeat(1, 1, g, 1)
+        elif mask is None:
+            allowed = torch.ones(n, i1, dtype=torch.bool, device=q.device).tril(i0).repeat(g, 1)  # keys <= query
+        else:
+            allowed = mask[:, :, i0:i1, :i1].repeat(1, 1, g, 1)  # the group's rows: the same mask each
+        scores = scores.masked_fill(~allowed, float("-inf"))
+        if sinks is not None:  # row r of a kv head's stack is query head kv_head * g + r // n
+            column = sinks.to(acc).view(1, kv, g, 1, 1).expand(b, kv, g, n, 1).reshape(b, kv, g * n, 1)
+            probs = torch.softmax(torch.cat([scores, column], -1), -1)[..., :-1].to(v.dtype)
+        else:
+            probs = torch.softmax(scores, -1).to(v.dtype)
+        outs.append(torch.matmul(probs, v[:, :, k0:i1]).reshape(b, h, n, dv).transpose(1, 2))
+    return torch.cat(outs, 1).transpose(1, 2)
+
+
+def _window_band(i0: int, i1: int, k0: int, window: int, device) -> torch.Tensor:
+    """[i1 - i0, i1 - k0] True where query i0 + r may see key k0 + c under the window: k0 + c <= i0 + r and
+    i0 + r - window < k0 + c (models/attention.py `window_band` on these positions; the tests hold them equal)."""
+    queries, keys = torch.arange(i0, i1, device=device), torch.arange(k0, i1, device=device)
+    return (keys[None, :] <= queries[:, None]) & (keys[None, :] > queries[:, None] - window)
