@@ -132,8 +132,8 @@ def imports_with_its_logits(reference, src: Path, out: Path, capsys):
     (fp32) on tokens(); return (the tokens, reference's logits, the imported checkpoint's config)."""
     import torch
 
-    from meshformer.checkpoint.inference import load_for_inference
     from meshformer.cli.main import main
+    from meshformer.interop.inference import load_for_inference
 
     x = tokens()
     with torch.no_grad():

@@ -18,8 +18,8 @@ from safetensors.torch import load_file, save_file
 from conftest import TINY_HF_LLAMA, checksums, save_hf_model, tiny_overrides
 from meshformer.checkpoint import manifest, store
 from meshformer.cli.main import main
+from meshformer.cli.train_cmd import run_training  # load_checkpoint: a Hugging Face directory
 from meshformer.config import load_config
-from meshformer.train.trainer import run_training
 
 transformers = pytest.importorskip("transformers")
 
@@ -209,7 +209,7 @@ def test_merge_flags_parse_and_its_directory_loads_as_the_checkpoint(trained, ti
     assert len(optim) == len(saved_optim)
     assert torch.equal(optim["state.model.norm.weight.exp_avg"], saved_optim["state.norm.weight.exp_avg"])
 
-    from meshformer.checkpoint.inference import load_for_inference
+    from meshformer.interop.inference import load_for_inference
 
     ours, _, _ = load_for_inference(step2)  # transformers loads the directory as the checkpoint's model
     theirs, info = transformers.AutoModelForCausalLM.from_pretrained(merged, output_loading_info=True)

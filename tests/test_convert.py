@@ -21,10 +21,10 @@ from conftest import (
     save_hf_model,
     tokens,
 )
-from meshformer.checkpoint import parity
-from meshformer.checkpoint.inference import load_for_inference
 from meshformer.cli.main import main
 from meshformer.errors import RunFailed
+from meshformer.interop import parity
+from meshformer.interop.inference import load_for_inference
 
 transformers = pytest.importorskip("transformers")
 
@@ -133,8 +133,8 @@ def test_bad_sources_are_one_line_exit_2_and_write_nothing(tmp_path, tokenizer_d
 
 def test_training_starts_from_a_hugging_face_directory_like_from_its_import(tmp_path, tiny_dataset, tokenizer_dir):
     from conftest import tiny_overrides
+    from meshformer.cli.train_cmd import run_training  # load_checkpoint: a Hugging Face directory
     from meshformer.config import load_config
-    from meshformer.train.trainer import run_training
 
     src = tmp_path / "hf"
     hf_model("Llama", TINY_HF_LLAMA, src, tokenizer_dir)  # the tiny dataset's model shape
@@ -176,9 +176,9 @@ def test_gguf_export_loads_in_transformers_within_the_quantization_error(tmp_pat
 
 
 def test_finetune_takes_the_model_shape_from_load_checkpoint(tmp_path, tiny_dataset, tokenizer_dir):
+    from meshformer.cli.train_cmd import run_training  # load_checkpoint: a Hugging Face directory
     from meshformer.config import load_config
     from meshformer.errors import UserError
-    from meshformer.train.trainer import run_training
 
     src = tmp_path / "hf"
     hf_model("Llama", {**TINY_HF_LLAMA, "max_position_embeddings": 64, "rms_norm_eps": 1e-6}, src, tokenizer_dir)

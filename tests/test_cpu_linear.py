@@ -213,9 +213,9 @@ def test_inference_loads_with_the_runs_setting(setting, tmp_path):
     from tokenizers import Tokenizer
     from tokenizers.models import WordLevel
 
-    from meshformer.checkpoint.inference import load_for_inference
     from meshformer.checkpoint.saver import save_checkpoint
     from meshformer.config import to_dict
+    from meshformer.interop.inference import load_for_inference
 
     cfg, _, built = _build(setting)
     model = built.parts.parts[0]

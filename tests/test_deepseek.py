@@ -16,8 +16,8 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import HF_SMALL, imports_with_its_logits, save_hf_model, tokens
-from meshformer.checkpoint.inference import load_for_inference
 from meshformer.cli.main import main
+from meshformer.interop.inference import load_for_inference
 from meshformer.models.generate import generate, generate_batch
 
 transformers = pytest.importorskip("transformers")

@@ -223,7 +223,7 @@ def test_verify_of_tiny_deepseek_models_passes_and_a_wrong_conversion_fails(
         assert "max |logit difference|" in capsys.readouterr().out
 
     # a wrong conversion: two layers' latent key/value projections swapped on the way in
-    from meshformer.checkpoint import convert
+    from meshformer.interop import convert
 
     right = convert.source_to_model
 
@@ -240,7 +240,7 @@ def test_verify_of_tiny_deepseek_models_passes_and_a_wrong_conversion_fails(
 
 
 def test_the_tolerance_takes_the_references_own_rounding_only_when_larger():
-    from meshformer.checkpoint.parity import Parity
+    from meshformer.interop.parity import Parity
     from meshformer.tolerance import REFERENCE_NOISE_FACTOR, TOLERANCE
 
     assert Parity(0.0, 3.0, 1.0, 1.0, 1).tolerance == TOLERANCE  # noise unmeasured: the fixed rule

@@ -16,17 +16,17 @@ import torch
 import torch.nn.functional as F
 
 from conftest import LORA, TINY_HF_LLAMA, save_hf_model, tiny_overrides, tokens
-from meshformer.checkpoint.inference import load_for_inference
 from meshformer.cli.main import main
 from meshformer.config import load_config
 from meshformer.errors import UserError
+from meshformer.interop.inference import load_for_inference
 from meshformer.train.trainer import run_training
 
 transformers = pytest.importorskip("transformers")
 
 
 def test_hub_cache_snapshots_are_named_by_their_id():
-    from meshformer.checkpoint.convert import hf_base_name
+    from meshformer.interop.convert import hf_base_name
 
     snapshot = "/home/u/.cache/huggingface/hub/models--HuggingFaceTB--SmolLM2-135M/snapshots/12ab34cd"
     assert hf_base_name(snapshot) == "HuggingFaceTB/SmolLM2-135M"
@@ -100,7 +100,7 @@ def test_eval_batch_size_lets_a_small_validation_split_evaluate(tmp_path, tiny_d
 
 
 def test_verify_help_quotes_the_tolerance_it_applies(capsys):
-    from meshformer.checkpoint import parity
+    from meshformer.interop import parity
     from meshformer.tolerance import RELATIVE_TOLERANCE, TOLERANCE
 
     for command in ("import", "export"):

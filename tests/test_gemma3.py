@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from conftest import EMPTY, HF_SMALL, LORA, TINY_HF_LLAMA, checksums, exports_as_the_original, fails, tiny_overrides
-from meshformer.checkpoint.inference import load_for_inference
 from meshformer.cli.main import main
 from meshformer.config import load_config
+from meshformer.interop.inference import load_for_inference
 from meshformer.models import create_model, num_params
 from meshformer.models.generate import generate
 from meshformer.models.registry import family_for_hf, family_of, model_config

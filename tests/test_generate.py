@@ -182,7 +182,7 @@ def _word_tokenizer():
 
 @pytest.fixture()
 def fake_checkpoint(model, tmp_path, monkeypatch):
-    import meshformer.checkpoint as ckpt
+    import meshformer.interop as ckpt
 
     cfg = MeshformerConfig()
     cfg.model.model_config = model.config
@@ -308,7 +308,7 @@ def test_cli_stops_at_the_tokenizers_eos(model, tmp_path, monkeypatch, capsys):
     from tokenizers.models import WordLevel
     from tokenizers.pre_tokenizers import Whitespace
 
-    import meshformer.checkpoint as ckpt
+    import meshformer.interop as ckpt
     from meshformer.cli.main import main
 
     ref = greedy_reference(model, PROMPT, 8)

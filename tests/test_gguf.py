@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 import torch
 
-from meshformer.checkpoint.gguf_read import read_gguf
 from meshformer.errors import UserError
+from meshformer.interop.gguf_read import read_gguf
 
 gguf = pytest.importorskip("gguf")
 Q = gguf.GGMLQuantizationType
@@ -189,7 +189,7 @@ def test_llama_values_and_unpermutation(llama_file):
 
 
 def test_unpermute_is_inverse_of_llama_cpp_permute():
-    from meshformer.checkpoint.gguf_read import _unpermute_rotary
+    from meshformer.interop.gguf_read import _unpermute_rotary
 
     w = torch.arange(12 * 16 * 3, dtype=torch.float32).reshape(12 * 16, 3)
     for n_head in (1, 3, 12):
@@ -366,15 +366,15 @@ def test_smollm2_tokenizer_matches_transformers(smollm2, transformers):
 @pytest.fixture(scope="module")
 def smollm2_checkpoint(smollm2, tmp_path_factory) -> Path:
     """The GGUF imported as a meshformer checkpoint (what `meshformer import FILE.gguf` writes)."""
-    from meshformer.checkpoint.convert import write_import
+    from meshformer.interop.convert import write_import
 
     _, src, _ = smollm2
     return write_import(src, tmp_path_factory.mktemp("smollm2") / "ckpt")[0]
 
 
 def test_smollm2_perplexity_equals_transformers(smollm2, smollm2_checkpoint):
-    from meshformer.checkpoint import parity
-    from meshformer.checkpoint.inference import load_for_inference
+    from meshformer.interop import parity
+    from meshformer.interop.inference import load_for_inference
 
     model, _, tok = load_for_inference(smollm2_checkpoint)
     result = parity.compare(model, smollm2[2], tok)
@@ -416,9 +416,9 @@ def test_smollm2_lora_sft_learns_and_its_adapter_matches_peft(smollm2, smollm2_c
     import subprocess
     import sys
 
-    from meshformer.checkpoint.inference import load_for_inference
     from meshformer.cli.main import main
     from meshformer.config import load_config
+    from meshformer.interop.inference import load_for_inference
     from meshformer.train.trainer import Trainer
 
     peft = pytest.importorskip("peft")
@@ -466,6 +466,6 @@ def test_smollm2_lora_sft_learns_and_its_adapter_matches_peft(smollm2, smollm2_c
     with torch.no_grad():
         want = ours(ids)
         adapted = peft.PeftModel.from_pretrained(base.eval(), tmp_path / "adapter").eval()
-        tol = max(1e-4, 1e-5 * want.abs().max().item())  # --verify's rule (checkpoint/parity.py) for a deep model
+        tol = max(1e-4, 1e-5 * want.abs().max().item())  # --verify's rule (interop/parity.py) for a deep model
         assert (adapted(ids).logits - want).abs().max() <= tol
         assert (merged(ids).logits - want).abs().max() <= tol

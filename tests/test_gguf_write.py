@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 import torch
 
-from meshformer.checkpoint.gguf_read import _LLAMA3_SPLIT, _QWEN2_SPLIT, read_gguf
-from meshformer.checkpoint.gguf_write import write_gguf
 from meshformer.errors import UserError
+from meshformer.interop.gguf_read import _LLAMA3_SPLIT, _QWEN2_SPLIT, read_gguf
+from meshformer.interop.gguf_write import write_gguf
 
 gguf = pytest.importorskip("gguf")
 transformers = pytest.importorskip("transformers")
@@ -230,7 +230,7 @@ def write_tiny(path, qtype="F16", tokenizer_json=None):
 def test_a_rotary_over_part_of_each_head_is_its_rope_dimension_count():
     """An architecture whose table names a rotary-fraction key writes llama.cpp's rope.dimension_count as
     int(head_dim x fraction), from the top level or rope_parameters; a missing or bad fraction is one line."""
-    from meshformer.checkpoint.gguf_write import _hyperparameters
+    from meshformer.interop.gguf_write import _hyperparameters
 
     hf = {**BASE, "num_attention_heads": 4, "hidden_size": 64, "head_dim": 24}
     assert _hyperparameters(hf, "llama")["rope_dims"] == 24  # no key: the whole head

@@ -24,9 +24,9 @@ from conftest import (
     save_hf_model,
     tiny_overrides,
 )
-from meshformer.checkpoint.inference import load_for_inference
 from meshformer.cli.main import main
 from meshformer.config import load_config
+from meshformer.interop.inference import load_for_inference
 from meshformer.models import create_model
 from meshformer.models.generate import generate
 from meshformer.models.registry import family_for_hf, family_of, model_config

@@ -12,13 +12,13 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import TINY_HF_LLAMA, save_hf_model, tiny_overrides, tokens
-from meshformer.checkpoint.inference import load_for_inference
 from meshformer.cli.main import main
+from meshformer.cli.train_cmd import run_training  # load_checkpoint: a Hugging Face directory
 from meshformer.config import load_config
 from meshformer.errors import UserError
+from meshformer.interop.inference import load_for_inference
 from meshformer.models import build_model
 from meshformer.models.lora import LoRALinear, apply_lora
-from meshformer.train.trainer import run_training
 
 peft = pytest.importorskip("peft")
 LORA = {

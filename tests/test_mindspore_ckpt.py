@@ -21,10 +21,10 @@ import transformers
 import yaml
 
 from conftest import HF_SMALL, checksums, tokens
-from meshformer.checkpoint import mindspore_ckpt
-from meshformer.checkpoint.inference import load_for_inference
-from meshformer.checkpoint.mindspore_ckpt import read_mindspore_checkpoint
 from meshformer.cli.main import main
+from meshformer.interop import mindspore_ckpt
+from meshformer.interop.inference import load_for_inference
+from meshformer.interop.mindspore_ckpt import read_mindspore_checkpoint
 
 # mindformers/models/llama/convert_weight.py `name_replace` (Hugging Face -> MindSpore Transformers), in its order.
 PUBLISHED_NAMES = [

@@ -271,9 +271,9 @@ def test_the_toy_family_trains_through_the_real_trainer(tiny_dataset, tmp_path):
 
 @pytest.mark.parametrize("tied", [False, True])
 def test_the_toy_family_converts_to_hugging_face_names_and_back(tmp_path, tied):
-    from meshformer.checkpoint.convert import source_to_model
-    from meshformer.checkpoint.hf_config import hf_config_from_model, model_config_from_hf
-    from meshformer.checkpoint.hf_dir import read_hf_dir, to_hf_names, write_hf_dir
+    from meshformer.interop.convert import source_to_model
+    from meshformer.interop.hf_config import hf_config_from_model, model_config_from_hf
+    from meshformer.interop.hf_dir import read_hf_dir, to_hf_names, write_hf_dir
 
     mc = toy_config(tie_word_embeddings=tied)
     model = create_model(mc, seed=3)

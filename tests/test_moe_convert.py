@@ -22,12 +22,12 @@ from conftest import (
     save_hf_model,
     tokens,
 )
-from meshformer.checkpoint.hf_config import hf_config_from_model, model_config_from_hf
-from meshformer.checkpoint.inference import load_for_inference
 from meshformer.cli.main import main
 from meshformer.config.load import from_dict
 from meshformer.config.schema import ModelConfig
 from meshformer.errors import UserError
+from meshformer.interop.hf_config import hf_config_from_model, model_config_from_hf
+from meshformer.interop.inference import load_for_inference
 from meshformer.models.generate import generate
 
 transformers = pytest.importorskip("transformers")

@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from conftest import TINY_HF_LLAMA, refused, save_hf_model, tiny_overrides, tokens
-from meshformer.checkpoint.inference import load_for_inference
 from meshformer.cli.main import main
 from meshformer.config import load_config
 from meshformer.errors import UserError
+from meshformer.interop.inference import load_for_inference
 from meshformer.train.trainer import run_training
 
 transformers = pytest.importorskip("transformers")

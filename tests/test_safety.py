@@ -311,8 +311,8 @@ def test_a_diverging_run_stops_with_exit_1_and_keeps_its_good_checkpoints(tiny_d
 def test_ckpt_info_verify_and_merge(tiny_dataset, tmp_path, capsys):
     from safetensors.torch import load_file
 
-    from meshformer.checkpoint import load_for_inference
     from meshformer.cli.main import main
+    from meshformer.interop import load_for_inference
 
     out = tmp_path / "run"
     run(tiny_dataset, out, **{"runner_config.stop_step": 2, "callbacks": EVERY_STEP})

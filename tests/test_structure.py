@@ -83,8 +83,10 @@ def test_no_import_cycles():
 
 # The layers, top first (docs/design.md): a module imports only from its own layer or those below. The ground
 # (errors, dtypes, backends, tolerance) is everything not named here.
-LAYERS = {"__main__": 8, "cli": 7, "planner": 6, "train": 5, "checkpoint": 4, "parallel": 4, "observe": 3}
-LAYERS.update({"models": 3, "config": 2, "data": 1})
+# interop (the formats users bring and take) sits above train: the trainer imports no converter, it is handed the
+# model sources it accepts (train/base_source.py).
+LAYERS = {"__main__": 9, "cli": 8, "planner": 7, "interop": 6, "train": 5, "checkpoint": 4, "parallel": 4}
+LAYERS.update({"observe": 3, "models": 3, "config": 2, "data": 1})
 
 
 def layer_of(module: str) -> int:
@@ -97,11 +99,19 @@ def layer_violations(graph: dict[str, set[str]]) -> list[str]:
 
 
 def test_imports_follow_the_layers():
-    """cli > planner > train > checkpoint/parallel > observe/models > config > data > ground, function-level
-    imports included (import_graph)."""
+    """cli > planner > interop > train > checkpoint/parallel > observe/models > config > data > ground,
+    function-level imports included (import_graph): neither the trainer nor training checkpoints import a format."""
     assert layer_violations(import_graph()) == []
     planted = {"meshformer.config.validate": {"meshformer.train.loss_scale"}, "meshformer.cli.main": {"meshformer"}}
     assert layer_violations(planted) == ["meshformer.config.validate -> meshformer.train.loss_scale"]
+    converter = {
+        "meshformer.train.loading": {"meshformer.interop.convert"},
+        "meshformer.checkpoint.tools": {"meshformer.interop"},
+    }
+    assert layer_violations(converter) == [
+        "meshformer.checkpoint.tools -> meshformer.interop",
+        "meshformer.train.loading -> meshformer.interop.convert",
+    ]
 
 
 def test_cycle_finder_finds_a_planted_cycle():

@@ -283,6 +283,21 @@ def read_trainer_state(path: Path) -> dict:
     return state
 
 
+# trainer_state.json: what a PEFT adapter exported from this checkpoint names as its base (a Hugging Face id or
+# directory: interop/convert.py records it at import, the trainer carries it from load_checkpoint), or absent
+BASE_KEY = "base_model_name_or_path"
+
+
+def recorded_base(ckpt: Path) -> str | None:
+    """The Hugging Face base a checkpoint records (None when it records none: trained from scratch, a GGUF import,
+    or saved before the record existed)."""
+    try:
+        value = json.loads((ckpt / "trainer_state.json").read_text()).get(BASE_KEY)
+    except (OSError, ValueError, AttributeError):
+        return None
+    return value if isinstance(value, str) and value else None
+
+
 def prune_checkpoints(output_dir: str | Path, keep: int) -> list[Path]:
     """Delete complete checkpoints beyond the newest `keep`, but never the newest one saved with a finite loss
     (a run that went NaN keeps its last good state). Incomplete or damaged directories are left alone: they

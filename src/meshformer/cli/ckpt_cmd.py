@@ -66,7 +66,9 @@ def run(args) -> int:
         ckpt = store.resolve_checkpoint(args.path, notes)
         for n in notes:
             print(f"note: {n}", file=sys.stderr)
-        done = tools.merge(ckpt, Path(args.output), args.overwrite, args.optimizer)
+        from meshformer.interop.merge import merge
+
+        done = merge(ckpt, Path(args.output), args.overwrite, args.optimizer)
         extra = f" and {done['optimizer_tensors']} optimizer tensors" if args.optimizer else ""
         print(
             f"wrote {done['output']}: {done['tensors']} weight tensors ({done['dtype']}){extra}, "

@@ -146,6 +146,7 @@ def run(args) -> int:
         from meshformer.config.load import load_config, print_notices, to_dict
         from meshformer.config.validate import validate_run
         from meshformer.errors import UserError
+        from meshformer.interop.base_model import BASE_MODEL_SOURCES
         from meshformer.train.finetune import apply_finetune_base
 
         if args.world_size is not None and args.world_size < 1:
@@ -154,7 +155,9 @@ def run(args) -> int:
             )
         notices: list[str] = []
         cfg = load_config(args.config, args.overrides, notices=notices)
-        notices += apply_finetune_base(cfg)  # a fine-tune's model is load_checkpoint's: its shape, then the layout
+        notices += apply_finetune_base(
+            cfg, BASE_MODEL_SOURCES
+        )  # a fine-tune's model is load_checkpoint's: its shape, then the layout
         validate_run(cfg, args.world_size)
         print_notices(notices)
         print(yaml.safe_dump(to_dict(cfg), sort_keys=False), end="")

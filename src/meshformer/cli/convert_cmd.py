@@ -97,7 +97,7 @@ def parse_size(text: str) -> int:
 
 
 def run_import(args) -> int:
-    from meshformer.checkpoint.convert import import_model
+    from meshformer.interop.convert import import_model
 
     out, cfg = import_model(args.source, args.output, args.config)
     mc = cfg.model.model_config
@@ -106,8 +106,8 @@ def run_import(args) -> int:
         f"{mc.num_heads} heads ({mc.num_kv_heads} kv), vocab {mc.vocab_size}"
     )
     if args.verify:
-        from meshformer.checkpoint import parity
-        from meshformer.checkpoint.inference import load_for_inference
+        from meshformer.interop import parity
+        from meshformer.interop.inference import load_for_inference
 
         src = Path(args.source)
         if src.suffix in (".ckpt", ".safetensors"):
@@ -120,7 +120,7 @@ def run_import(args) -> int:
 
 
 def run_export(args) -> int:
-    from meshformer.checkpoint.convert import export_model
+    from meshformer.interop.convert import export_model
 
     if args.format == "mindspore":
         return _run_export_mindspore(args)
@@ -146,9 +146,9 @@ def run_export(args) -> int:
     if args.verify and kind != "model":
         print(f"--verify compares Hugging Face directories with transformers; not run for {what[kind]}")
     elif args.verify:
-        from meshformer.checkpoint import parity
-        from meshformer.checkpoint.inference import load_for_inference
         from meshformer.dtypes import DTYPE
+        from meshformer.interop import parity
+        from meshformer.interop.inference import load_for_inference
 
         model, _, tokenizer = load_for_inference(ckpt, need_tokenizer=False)  # none: random ids (parity.compare)
         model.to(DTYPE[args.dtype]).float()  # compare with the weights as exported (rounded to --dtype)
@@ -157,7 +157,7 @@ def run_export(args) -> int:
 
 
 def _run_export_mindspore(args) -> int:
-    from meshformer.checkpoint.convert import export_mindspore
+    from meshformer.interop.convert import export_mindspore
 
     out, ckpt = export_mindspore(args.checkpoint, args.output, args.dtype, args.fused)
     layout = "fused w_qkv / w_gate_hidden" if args.fused else "separate wq/wk/wv, w1/w3"

@@ -28,7 +28,7 @@ def run(args) -> int:
     import torch
     import torch.nn.functional as F
 
-    from meshformer.checkpoint.inference import load_for_inference
+    from meshformer.interop.inference import load_for_inference
 
     if args.seq_length is not None and args.seq_length < 1:  # checked first: 0 must not mean "the model's"
         raise UserError(f"--seq-length {args.seq_length}: give a window of at least 1 token, or leave it out")

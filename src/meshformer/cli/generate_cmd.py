@@ -1,7 +1,7 @@
 """`meshformer generate`: continue a prompt with a trained checkpoint, or chat with it.
 
 The checkpoint (a run's output_dir, whose newest checkpoint is used, or one checkpoint directory) is loaded by
-`meshformer.checkpoint.load_for_inference`, which returns the model, its config and its tokenizer. One prompt
+`meshformer.interop.load_for_inference`, which returns the model, its config and its tokenizer. One prompt
 (and every conversation, `cli/generate_chat.py`) prints its text as the tokens come; several prompts run as one
 left-padded batch and print when it ends.
 """
@@ -186,11 +186,11 @@ def run(args: argparse.Namespace) -> int:
 
     check_args(args)
     device = device_from_flag(args.device)  # before loading: the devices here, not torch's error, if it is not one
-    from meshformer import checkpoint  # looked up at call time so tests can substitute the loader
+    from meshformer import interop  # looked up at call time so tests can substitute the loader
     from meshformer.cli import generate_chat
 
     messages = generate_chat.read_messages(args.messages) if args.messages is not None else None
-    model, cfg, tokenizer = checkpoint.load_for_inference(args.checkpoint, device=str(device))
+    model, cfg, tokenizer = interop.load_for_inference(args.checkpoint, device=str(device))
     mc = cfg.model.model_config
     check_cache_fits(args.max_new_tokens, max(len(args.prompt), 1), model)
     bos, eos = special_ids(tokenizer, mc)

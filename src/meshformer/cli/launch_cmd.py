@@ -128,6 +128,7 @@ def check_nproc(nproc: int) -> None:
 def run(args) -> int:
     from meshformer.config.load import load_config
     from meshformer.config.validate import validate_run
+    from meshformer.interop.base_model import BASE_MODEL_SOURCES
     from meshformer.train.finetune import apply_finetune_base
 
     if args.nproc < 1:
@@ -135,7 +136,9 @@ def run(args) -> int:
     if args.master_port is not None:
         check_port_range(args.master_port)
     cfg = load_config(args.config, args.overrides)
-    apply_finetune_base(cfg)  # a fine-tune's model is load_checkpoint's: its shape first, then the layout
+    apply_finetune_base(
+        cfg, BASE_MODEL_SOURCES
+    )  # a fine-tune's model is load_checkpoint's: its shape first, then the layout
     validate_run(cfg, args.nproc)  # a wrong product fails here, before any process starts
     cmd = torchrun_command(args.nproc, args.config, args.overrides, args.master_port)
     if args.print_command:

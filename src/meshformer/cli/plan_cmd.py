@@ -46,6 +46,7 @@ def add_machine_arguments(p) -> None:
 def build(args):
     """(config, plan) of the command's arguments."""
     from meshformer.config.load import load_config
+    from meshformer.interop.base_model import BASE_MODEL_SOURCES
     from meshformer.parallel.batch_plan import BatchPlan
     from meshformer.parallel.dims import ParallelDims
     from meshformer.planner.accelerators import find_accelerator
@@ -58,7 +59,7 @@ def build(args):
     if args.device_memory is not None and not (math.isfinite(args.device_memory) and args.device_memory > 0):
         raise UserError(f"--device-memory {args.device_memory}: give the device's memory in GB (a number > 0)")
     cfg = load_config(args.config, getattr(args, "overrides", []))
-    apply_finetune_base(cfg)  # a fine-tune plans load_checkpoint's model, not the schema's default
+    apply_finetune_base(cfg, BASE_MODEL_SOURCES)  # a fine-tune plans load_checkpoint's model, not the schema's default
     pc = cfg.parallel_config
     devices = args.devices or pc.data_parallel * pc.model_parallel * pc.pipeline_stage * pc.context_parallel
     if args.nodes < 1 or devices % args.nodes:

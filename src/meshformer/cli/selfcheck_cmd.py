@@ -52,10 +52,11 @@ def run(args) -> int:
     env = None
     if args.config is not None:
         from meshformer.config.load import load_config
+        from meshformer.interop.base_model import BASE_MODEL_SOURCES
         from meshformer.train.finetune import apply_finetune_base
 
         cfg = load_config(args.config, args.overrides)
-        apply_finetune_base(cfg)  # a fine-tune's layout is checked against load_checkpoint's model
+        apply_finetune_base(cfg, BASE_MODEL_SOURCES)  # a fine-tune's layout is checked against load_checkpoint's model
         cfg.comm_timeout = max(1, int(args.timeout))
         env = init_parallel(cfg)  # validates the layout against WORLD_SIZE first
     else:

@@ -27,16 +27,25 @@ def run(args) -> int:
     die_with_parent()  # under torchrun: a killed launcher takes its workers with it
     with StopBeforeTraining():  # before torch is imported: a stop signal during set-up ends the command, exit 0
         from meshformer.config.load import load_config
-        from meshformer.planner.fits import check_run_fits
-        from meshformer.train.trainer import run_training
 
         notices: list[str] = []
         overrides = list(args.overrides)
         if args.profile is not None:
             overrides = [*profile_overrides(args.profile), *overrides]
         cfg = load_config(args.config, overrides, notices=notices)
-        run_training(cfg, notices, preflight=[check_run_fits])  # a size typo fails before anything is allocated
+        run_training(cfg, notices)
     return 0
+
+
+def run_training(cfg, notices: list[str] | None = None, hooks=()) -> dict:
+    """train/trainer.py's run_training as `meshformer train` runs it: the memory floor first (planner/fits.py: a
+    size typo fails before anything is allocated), and load_checkpoint may name a Hugging Face directory
+    (interop/base_model.py), for the fine-tune's shape and the weights."""
+    from meshformer.interop.base_model import BASE_MODEL_SOURCES
+    from meshformer.planner.fits import check_run_fits
+    from meshformer.train import trainer
+
+    return trainer.run_training(cfg, notices, hooks, preflight=[check_run_fits], sources=BASE_MODEL_SOURCES)
 
 
 def profile_overrides(window: str) -> list[str]:

@@ -79,6 +79,7 @@ def fake_state_bytes(cfg, rank: int, world: int) -> dict:
 def main(argv: list[str] | None = None) -> int:
     import meshformer.models  # noqa: F401  (the families' config classes, before the config loads)
     from meshformer.config.load import load_config
+    from meshformer.interop.base_model import BASE_MODEL_SOURCES
     from meshformer.train.finetune import apply_finetune_base
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -87,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--world", type=int, default=None, help="default: the layout's product")
     args, overrides = ap.parse_known_args(argv)
     cfg = load_config(args.config, overrides)
-    apply_finetune_base(cfg)  # a fine-tune's model is load_checkpoint's
+    apply_finetune_base(cfg, BASE_MODEL_SOURCES)  # a fine-tune's model is load_checkpoint's
     pc = cfg.parallel_config
     world = args.world or pc.data_parallel * pc.context_parallel * pc.model_parallel * pc.pipeline_stage
     print(json.dumps(fake_state_bytes(cfg, args.rank, world)))

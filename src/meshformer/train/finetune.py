@@ -9,6 +9,7 @@ init and token-id settings. Only the weights come along (not the optimizer state
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from pathlib import Path
 
 import yaml
@@ -20,6 +21,7 @@ from meshformer.config.validate import validate_config
 from meshformer.config.yaml_text import load_yaml_text
 from meshformer.errors import UserError
 from meshformer.models.registry import family_of
+from meshformer.train.base_source import BaseModelSource, source_of
 
 # The fields every model config has that shape the network; a family adds its own (ModelFamily.shape_fields, e.g.
 # its attention's widths, "moe_config.expert_num" for a field of a section).
@@ -39,14 +41,15 @@ SHAPE_FIELDS = (
 )
 
 
-def base_model_config(src: str) -> ModelConfig:
-    from meshformer.checkpoint.hf_config import model_config_from_hf
-    from meshformer.checkpoint.hf_dir import _read_json, is_hf_dir
+def base_model_config(src: str, sources: Sequence[BaseModelSource] = ()) -> ModelConfig:
+    """load_checkpoint's model config: a meshformer checkpoint's or run's, or that of a model one of `sources`
+    claims (a Hugging Face directory: train/base_source.py)."""
     from meshformer.checkpoint.store import resolve_checkpoint
 
     p = Path(src)
-    if is_hf_dir(p):
-        fields = model_config_from_hf(_read_json(p / "config.json"), f"{p}/config.json")
+    source = source_of(p, sources)
+    if source is not None:
+        fields = source.model_fields(p)
     else:
         ckpt = resolve_checkpoint(p)
         try:
@@ -57,15 +60,16 @@ def base_model_config(src: str) -> ModelConfig:
     return from_dict(ModelConfig, fields, ("model", "model_config"), [])
 
 
-def apply_finetune_base(cfg: MeshformerConfig) -> list[str]:
+def apply_finetune_base(cfg: MeshformerConfig, sources: Sequence[BaseModelSource] = ()) -> list[str]:
     """Fill the model shape from load_checkpoint (run_mode: finetune), then validate the whole config (load_config
     leaves a fine-tune's to this: its layout can only be checked against the real model); returns notices naming
-    what was taken. Every command that uses a fine-tune's config calls it first."""
+    what was taken. Every command that uses a fine-tune's config calls it first, with the model sources it accepts
+    besides meshformer checkpoints (the CLI: a Hugging Face directory, interop/base_model.py)."""
     if cfg.run_mode != "finetune":
         return []
     if not cfg.load_checkpoint:
         raise UserError("run_mode: finetune needs load_checkpoint (a checkpoint, run directory or Hugging Face model)")
-    base = base_model_config(cfg.load_checkpoint)
+    base = base_model_config(cfg.load_checkpoint, sources)
     given = cfg.model_fields_given
     mc = _as_class_of(cfg.model.model_config, base, given)
     cfg.model.model_config = mc

@@ -13,15 +13,14 @@ evaluation and early stopping (train/evaluation.py), skipped steps (train/skips.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import torch
 import yaml
 
 from meshformer.checkpoint import store
-from meshformer.checkpoint.convert import BASE_KEY, hf_base_name, recorded_base
-from meshformer.checkpoint.hf_dir import is_hf_dir
+from meshformer.checkpoint.store import BASE_KEY, recorded_base
 from meshformer.config.load import to_dict
 from meshformer.config.schema import MeshformerConfig
 from meshformer.errors import RunFailed, UserError
@@ -30,6 +29,7 @@ from meshformer.observe.timing import StepClock
 from meshformer.parallel import ModelParts, ParallelEnv, init_parallel
 from meshformer.parallel.batch_plan import BatchPlan
 from meshformer.train import moe_balance  # noqa: F401  (registers the MoE balance hook every MoE run needs)
+from meshformer.train.base_source import BaseModelSource, source_of
 from meshformer.train.checkpointing import Checkpointing, check_resumable, run_identity
 from meshformer.train.data import TrainingData
 from meshformer.train.evaluation import Evaluation
@@ -54,9 +54,13 @@ class Trainer:
         notices: list[str] | None = None,
         env: ParallelEnv | None = None,
         hooks: Iterable = (),
+        sources: Sequence[BaseModelSource] = (),
     ):
-        """hooks: train/hooks.py objects every step calls, before the registered ones (register_hook)."""
+        """hooks: train/hooks.py objects every step calls, before the registered ones (register_hook). sources:
+        the models from outside load_checkpoint may name (train/base_source.py; the CLI's: a Hugging Face
+        directory)."""
         self.cfg = cfg
+        self.sources = tuple(sources)
         self.mc = cfg.model.model_config
         self.out = Path(cfg.output_dir)
         self.env = env or init_parallel(cfg)
@@ -124,12 +128,13 @@ class Trainer:
             self._load_base_weights(Path(cfg.load_checkpoint))
 
     def _load_base_weights(self, src: Path) -> None:
+        source = source_of(src, self.sources)
         where = load_base_weights(
-            src, self.cfg, self.parts.parts, self.expected_shapes, self.data.tokenizer_hash, self.run_dir
+            src, source, self.cfg, self.parts.parts, self.expected_shapes, self.data.tokenizer_hash, self.run_dir
         )
         self.console.log(f"loaded weights from {where}")
         # from the checkpoint load_base_weights resolved (rank 0, once), not resolved and hashed again here
-        self.hf_base = hf_base_name(src) if is_hf_dir(src) else recorded_base(Path(where))
+        self.hf_base = source.base_name(src) if source is not None else recorded_base(Path(where))
 
     def _restore(self, ckpt: Path) -> None:
         state = store.read_trainer_state(ckpt)
@@ -302,12 +307,17 @@ class Trainer:
 
 
 def run_training(
-    cfg: MeshformerConfig, notices: list[str] | None = None, hooks: Iterable = (), preflight: Iterable = ()
+    cfg: MeshformerConfig,
+    notices: list[str] | None = None,
+    hooks: Iterable = (),
+    preflight: Iterable = (),
+    sources: Sequence[BaseModelSource] = (),
 ) -> dict:
     """Train; a collective that fails because a rank died or hung ends the run naming that rank (RunFailed).
     hooks: train/hooks.py objects every step calls. preflight: checks `(cfg, env)` run once the layout is known,
-    before the trainer opens anything (the CLI's memory floor: planner/fits.py)."""
-    notices = [*(notices or []), *apply_finetune_base(cfg)]
+    before the trainer opens anything (the CLI's memory floor: planner/fits.py). sources: the models from outside
+    load_checkpoint may name, for the fine-tune's shape and the weights (the CLI's: interop/base_model.py)."""
+    notices = [*(notices or []), *apply_finetune_base(cfg, sources)]
     env = init_parallel(cfg)
     if cfg.swap_config.swap and env.device.type != "cuda":
         notices.append("swap_config.swap: a CPU run keeps activations in host memory anyway; swap is off")
@@ -315,7 +325,7 @@ def run_training(
     try:
         for check in preflight:
             check(cfg, env)
-        trainer = Trainer(cfg, notices, env, hooks)
+        trainer = Trainer(cfg, notices, env, hooks, sources)
         last = trainer.train()
         ok = True
         return last

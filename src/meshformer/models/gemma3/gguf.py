@@ -1,4 +1,4 @@
-"""Gemma 3's names and metadata in llama.cpp's GGUF files (architecture `gemma3`; checkpoint/gguf_write.py and
+"""Gemma 3's names and metadata in llama.cpp's GGUF files (architecture `gemma3`; interop/gguf_write.py and
 gguf_read.py apply them), as llama.cpp's convert_hf_to_gguf.py `Gemma3Model` writes them.
 
 - Every norm weight is stored plus 1 (`norm_shift`): llama.cpp multiplies by the stored factor, Gemma by (1 + w).

@@ -1,4 +1,4 @@
-"""GLM-4's names in llama.cpp's GGUF files (its `glm4` architecture; checkpoint/gguf_read.py and gguf_write.py
+"""GLM-4's names in llama.cpp's GGUF files (its `glm4` architecture; interop/gguf_read.py and gguf_write.py
 apply them), as llama.cpp's convert_hf_to_gguf.py `Glm4Model` writes them:
 
 - the fused `gate_up_proj` [2 x intermediate, hidden] is `ffn_up` as it is (llama.cpp splits it at run time), so

@@ -13,7 +13,7 @@ Tensors on disk (what `save_pretrained` writes; the experts are stacked there to
 ours are [E, F, hidden] gate_proj / up_proj, [E, hidden, F] down_proj and separate biases. Both ways are slicing and
 transposition only, so an export is bit for bit.
 
-GGUF: refused (checkpoint/gguf_write.py names the architecture, as for Mistral), although the gguf package names
+GGUF: refused (interop/gguf_write.py names the architecture, as for Mistral), although the gguf package names
 gpt-oss's tensors (attn_sinks, ffn_*_exps and their .bias) and llama.cpp's converter takes bf16 experts: GGUF has no
 key for YaRN's `truncate: false` and llama.cpp's rope always rounds the correction range outwards
 (ggml_rope_yarn_corr_dims: floorf / ceilf), so a file written from these weights would run in llama.cpp with other

@@ -1,4 +1,4 @@
-"""The Llama family's names in llama.cpp's GGUF files, per GGUF architecture (checkpoint/gguf_read.py and
+"""The Llama family's names in llama.cpp's GGUF files, per GGUF architecture (interop/gguf_read.py and
 gguf_write.py apply them).
 
 llama.cpp's converter permutes the rows of q_proj and k_proj of the `llama` architecture so that its rotary

@@ -4,7 +4,7 @@
 What Mistral's model cannot be (another activation, biases) is refused in one line naming the key.
 
 GGUF: llama.cpp converts MistralForCausalLM as its `llama` architecture and applies no sliding window there, so a
-Mistral checkpoint has no GGUF names: exporting one is refused (checkpoint/gguf_write.py names the architecture).
+Mistral checkpoint has no GGUF names: exporting one is refused (interop/gguf_write.py names the architecture).
 """
 
 from __future__ import annotations

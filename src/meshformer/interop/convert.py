@@ -3,7 +3,7 @@ meshformer checkpoints.
 
 An import writes one checkpoint directory (weights only, step 0) with a config.yaml whose `model_config` comes
 from the source's config.json (or GGUF metadata, or for a MindSpore checkpoint the MindSpore Transformers YAML given
-with it: checkpoint/mindspore_model.py), the source's tokenizer.json and tokenizer_config.json (special tokens, chat
+with it: interop/mindspore_model.py), the source's tokenizer.json and tokenizer_config.json (special tokens, chat
 template) and a manifest, so `load_checkpoint`, `generate`, `preprocess --tokenizer` and
 `meshformer export` take it like any checkpoint. Every tensor is checked against the model the config describes
 (names and shapes, both ways) before anything is written. Both commands write into `OUTPUT.tmp-*` and rename it
@@ -27,20 +27,19 @@ from pathlib import Path
 import torch
 import yaml
 
-from meshformer.checkpoint.hf_config import check_import_sizes, hf_config_from_model, model_config_from_hf
-from meshformer.checkpoint.hf_dir import read_hf_dir, to_hf_names, to_meshformer_names, write_hf_dir
 from meshformer.checkpoint.manifest import MANIFEST
 from meshformer.checkpoint.safetensors_file import save_safetensors
 from meshformer.checkpoint.saver import save_checkpoint
-from meshformer.checkpoint.source import SourceModel
-from meshformer.checkpoint.store import resolve_checkpoint, shape_problems
+from meshformer.checkpoint.store import BASE_KEY, recorded_base, resolve_checkpoint, shape_problems
 from meshformer.config.load import from_dict, to_dict
 from meshformer.config.schema import MeshformerConfig, ModelConfig
 from meshformer.dtypes import DTYPE
 from meshformer.errors import UserError
+from meshformer.interop.hf_config import check_import_sizes, hf_config_from_model, model_config_from_hf
+from meshformer.interop.hf_dir import read_hf_dir, to_hf_names, to_meshformer_names, write_hf_dir
+from meshformer.interop.source import SourceModel
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
-BASE_KEY = "base_model_name_or_path"  # trainer_state.json: the Hugging Face base (id or directory), or absent
 # huggingface_hub's cache layout: .../models--{org}--{name}/snapshots/{revision}
 _HUB_SNAPSHOT = re.compile(r"models--(?P<org>[^/]+?)--(?P<name>[^/]+)/snapshots/[^/]+")
 
@@ -53,20 +52,10 @@ def hf_base_name(src: str | Path) -> str:
     return f"{m['org']}/{m['name']}" if m and m.end() == len(Path(path).as_posix()) else path
 
 
-def recorded_base(ckpt: Path) -> str | None:
-    """The Hugging Face base a checkpoint records (None when it records none: trained from scratch, a GGUF import,
-    or saved before the record existed)."""
-    try:
-        value = json.loads((ckpt / "trainer_state.json").read_text()).get(BASE_KEY)
-    except (OSError, ValueError, AttributeError):
-        return None
-    return value if isinstance(value, str) and value else None
-
-
 def read_source(src: str | Path) -> SourceModel:
     p = Path(src)
     if p.is_file() and p.suffix == ".gguf":
-        from meshformer.checkpoint.gguf_read import read_gguf
+        from meshformer.interop.gguf_read import read_gguf
 
         return read_gguf(p)
     if p.is_dir():
@@ -149,12 +138,12 @@ def import_model(
 ) -> tuple[Path, MeshformerConfig]:
     """Import a Hugging Face directory, a GGUF file, or (with `config`, the MindSpore Transformers YAML it was
     trained with) a MindSpore checkpoint: a `.ckpt` / `.safetensors` file."""
-    from meshformer.checkpoint.hf_dir import is_hf_dir
-    from meshformer.checkpoint.mindspore_ckpt import is_mindspore_source
+    from meshformer.interop.hf_dir import is_hf_dir
+    from meshformer.interop.mindspore_ckpt import is_mindspore_source
 
     p = Path(src)
     if is_mindspore_source(p) and not is_hf_dir(p):
-        from meshformer.checkpoint.mindspore_model import read_mindspore_model
+        from meshformer.interop.mindspore_model import read_mindspore_model
 
         ms = read_mindspore_model(p, config)
         if ms.training_state:
@@ -251,7 +240,7 @@ def export_model(
     `base` (default: the base the checkpoint records) as its base_model_name_or_path; with neither it is null.
     A checkpoint without a tokenizer exports its weights alone, saying so (`tokenizer_note`) on stderr; GGUF,
     which holds its tokenizer, refuses it. Returns (output, checkpoint, "model" | "adapter" | "gguf")."""
-    from meshformer.checkpoint.inference import load_for_inference
+    from meshformer.interop.inference import load_for_inference
     from meshformer.models import family_of
     from meshformer.models.lora import lora_wanted, merged_state_dict, peft_adapter
 
@@ -308,8 +297,8 @@ def _hf_side(ckpt: Path, model, cfg, tokenizer, dtype: str) -> tuple[dict, str |
 
 
 def _export_gguf(ckpt: Path, out: Path, dtype: str, gguf_type: str) -> Path:
-    from meshformer.checkpoint.gguf_write import write_gguf
-    from meshformer.checkpoint.inference import load_for_inference
+    from meshformer.interop.gguf_write import write_gguf
+    from meshformer.interop.inference import load_for_inference
     from meshformer.models import family_of
     from meshformer.models.lora import lora_wanted, merged_state_dict
 
@@ -329,9 +318,9 @@ def export_mindspore(checkpoint: str | Path, output: str | Path, dtype: str = "f
     """Write a checkpoint's model (LoRA adapters merged in) as one consolidated MindSpore `.ckpt` (or, named
     `.safetensors`, MindSpore's safetensors form) under MindSpore Transformers' names; with `fused` each layer's
     q/k/v and gate/up as its `qkv_concat: True` models hold them. Returns (output, checkpoint)."""
-    from meshformer.checkpoint.inference import load_for_inference
-    from meshformer.checkpoint.mindspore_ckpt import new_output, write_mindspore_checkpoint
-    from meshformer.checkpoint.mindspore_model import mindspore_tensors
+    from meshformer.interop.inference import load_for_inference
+    from meshformer.interop.mindspore_ckpt import new_output, write_mindspore_checkpoint
+    from meshformer.interop.mindspore_model import mindspore_tensors
     from meshformer.models.lora import lora_wanted, merged_state_dict
 
     ckpt = resolve_checkpoint(checkpoint)

@@ -29,8 +29,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from meshformer.checkpoint.source import SourceModel
 from meshformer.errors import UserError
+from meshformer.interop.source import SourceModel
 
 # The split regexes `transformers` puts in front of byte-level BPE for these `tokenizer.ggml.pre` values
 # (transformers/integrations/gguf/gguf_tokenizer_mapping.py); any other value keeps GPT-2's built-in regex.

@@ -35,8 +35,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from meshformer.checkpoint.gguf_read import _LLAMA3_SPLIT, _QWEN2_SPLIT
 from meshformer.errors import UserError
+from meshformer.interop.gguf_read import _LLAMA3_SPLIT, _QWEN2_SPLIT
 
 # qtype -> llama.cpp's file type (general.file_type), by name since gguf is imported lazily
 _FILE_TYPES = {"F32": "ALL_F32", "F16": "MOSTLY_F16", "BF16": "MOSTLY_BF16", "Q8_0": "MOSTLY_Q8_0"}

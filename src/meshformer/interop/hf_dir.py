@@ -22,8 +22,8 @@ from safetensors import SafetensorError, safe_open
 
 from meshformer.checkpoint.contents import outside
 from meshformer.checkpoint.safetensors_file import save_safetensors
-from meshformer.checkpoint.source import SourceModel
 from meshformer.errors import UserError, first_line
+from meshformer.interop.source import SourceModel
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 BIN_INDEX = "pytorch_model.bin.index.json"

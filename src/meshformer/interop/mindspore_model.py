@@ -6,7 +6,7 @@ names) and the tokenizer (`processor.tokenizer.tokenizer_file`, or `vocab_file`,
 tokenizer.json or its folder; a SentencePiece tokenizer.model or vocab.json with a tokenizer.json beside it means
 that one); the model family's `mindspore_names` renames the tensors and splits fused
 projections. Every tensor is checked against the model the YAML describes before anything is written, and a
-mismatch names MindSpore's tensor and the fix. The writing itself is `meshformer import`'s (checkpoint/convert.py).
+mismatch names MindSpore's tensor and the fix. The writing itself is `meshformer import`'s (interop/convert.py).
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ from pathlib import Path
 
 import torch
 
-from meshformer.checkpoint.mindspore_ckpt import read_mindspore_checkpoint, refuse_sharded
 from meshformer.config.schema import MeshformerConfig
 from meshformer.errors import UserError
+from meshformer.interop.mindspore_ckpt import read_mindspore_checkpoint, refuse_sharded
 
 SHAPE_FIELDS = ("hidden_size", "num_layers", "num_heads", "n_kv_heads", "intermediate_size", "vocab_size")
 
@@ -80,8 +80,8 @@ def read_mindspore_model(src: str | Path, config: str | Path | None) -> MindSpor
 
 def _tokenizer(cfg: MeshformerConfig, config: Path) -> tuple[str, dict]:
     """(tokenizer.json text, the tokenizer_config.json beside it) that the YAML's processor.tokenizer names."""
-    from meshformer.checkpoint.hf_dir import read_tokenizer_files
     from meshformer.data.tokenizer import load_tokenizer, vocab_size
+    from meshformer.interop.hf_dir import read_tokenizer_files
 
     pt = cfg.processor.tokenizer
     given = [(f, v) for f, v in (("tokenizer_file", pt.tokenizer_file), ("vocab_file", pt.vocab_file)) if v]
