@@ -10,7 +10,7 @@ STAMP := $(VENV)/.meshformer-installed
 REFS_STAMP := $(VENV)/.meshformer-refs-installed
 CORPUS := $(wildcard data/shakespeare/*.txt)
 
-.PHONY: demo test venv bench clean
+.PHONY: demo test test-unit venv bench clean
 
 venv: $(STAMP)
 
@@ -39,6 +39,10 @@ test: $(REFS_STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/python -m pytest tests
+
+# The quick loop: tests/unit only (single process, no reference library, no CLI or torchrun launch; a few minutes).
+test-unit: $(STAMP)
+	$(BIN)/python -m pytest tests/unit
 
 bench: $(STAMP)
 	$(BIN)/python bench/bench_vs_hf.py

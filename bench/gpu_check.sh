@@ -10,7 +10,7 @@ export PYTHONPATH=src PYTHONUNBUFFERED=1
 J="$OUT/gpu_train.jsonl"
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm,power.limit --format=csv | tee "$OUT/gpu.txt"
 $PY -c "import torch, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda)"
-timeout 120 $PY -m pytest -q -p no:cacheprovider -o addopts="" tests/test_swap.py 2>&1 | tail -5
+timeout 120 $PY -m pytest -q -p no:cacheprovider -o addopts="" tests/unit/test_swap.py 2>&1 | tail -5
 [ "${MATMUL:-1}" = 1 ] && timeout 60 $PY - <<'EOF'
 import torch
 a, b = (torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16) for _ in range(2))

@@ -1,5 +1,5 @@
 """An auxiliary loss reported from every decoder layer (coef x the sum of squares of its output), for
-tests/test_trainer_hooks.py: in one process, and under torchrun (dp2, pp2) through the trainer's own step.
+tests/parity/test_trainer_hooks.py: in one process, and under torchrun (dp2, pp2) through the trainer's own step.
 
 usage: torchrun --nproc-per-node 2 tests/dist/aux_case.py OUT.json CASE ...   (CASE: a harness case name)
 The metrics rank of each case writes {"CASE": [[loss, grad_norm, aux], ...]} into OUT.json.

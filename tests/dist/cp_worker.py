@@ -1,4 +1,4 @@
-"""Context-parallel checks on the parity harness's model (tests/test_context_parallel.py).
+"""Context-parallel checks on the parity harness's model (tests/parity/test_context_parallel.py).
 
 usage: torchrun --nproc-per-node N tests/dist/cp_worker.py OUT DIR JOB:CASE[:VARIANT] ...
 - `parity:CASE[:VARIANT]` trains the harness's steps under CASE (then evaluates once), as parity_worker does, and

@@ -1,4 +1,4 @@
-"""Expert-parallel checks beyond the parity cases (tests/test_expert_parallel.py), on the harness's MoE model.
+"""Expert-parallel checks beyond the parity cases (tests/parity/test_expert_parallel.py), on the harness's MoE model.
 
 usage: torchrun --nproc-per-node N tests/dist/ep_worker.py OUT DIR JOB:CASE ...   (or `run` in one process)
 - `save:CASE` trains SAVED_AT steps under CASE, saves weights, routing biases and optimizer states through the

@@ -188,9 +188,9 @@ VARIANTS["deepseek_v3"] = {
     _E + "aux_loss_types": ["sequence"], _E + "aux_loss_factors": [0.001],
     _E + "balance_via_topk_bias": True, _E + "topk_bias_update_rate": 0.01,
 }  # fmt: skip
-# tests/test_expert_parallel.py
+# tests/parity/test_expert_parallel.py
 MOE_VARIANTS = ("moe", "moe_bal", "moe_bal_seq", "moe_lora", "moe_bf16", "deepseek_v3", "gpt_oss")
-# DeepSeek-V3 with the global-batch balancing loss instead of the sequence-wise one (tests/test_context_parallel.py
+# DeepSeek-V3 with the global-batch balancing loss instead of the sequence-wise one (tests/parity/test_context_parallel.py
 # runs both); "_packed": every row packs several documents, as "packed"
 VARIANTS["deepseek_v3_gb"] = {
     **VARIANTS["deepseek_v3"],

@@ -50,7 +50,7 @@ What changes, and why no more:
 Mapping everything from the heap (`M_MMAP_MAX` = 0) also removed the faults, but it is not safe on glibc 2.36:
 torch allocates with 64-byte `posix_memalign`, which asks for 96 bytes more than a freed block of the same size
 holds, so a block freed behind a small live allocation is never reused and the heap grows every step (a large
-block freed behind a small one: tests/test_host_memory.py checks these settings stay flat where that one grew;
+block freed behind a small one: tests/unit/test_host_memory.py checks these settings stay flat where that one grew;
 docs/benchmarks.md has the figures).
 This is what torch's CPU tuning guide gets from preloading jemalloc or tcmalloc, without another allocator or a
 relaunch. C libraries other than glibc are left alone.

@@ -285,7 +285,7 @@ def check_not_yet(cfg: MeshformerConfig) -> None:
     check_context_parallel(cfg)
 
 
-# What context parallelism is proven with (tests/test_context_parallel.py); each other combination is refused.
+# What context parallelism is proven with (tests/parity/test_context_parallel.py); each other combination is refused.
 CP_ALGOS = ("colossalai_cp",)
 
 

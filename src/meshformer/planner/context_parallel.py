@@ -12,7 +12,7 @@ at that length (`local_config`), plus what the all-gather form adds (`extra_byte
 - while one layer's attention runs (forward, and again in backward: it is checkpointed), its float mask
   [rows, 1, seq / cp, seq] in the compute dtype (rows: micro_batch with packed documents, else 1): transient.
 Measured against the trainer's step (bench/context_parallel.py, docs/benchmarks.md): within 2% at cp 2 and 4; the
-DeepSeek-V3-shaped parity model's step (tests/test_context_parallel.py) within 0.1% at cp2, cp4 and tp2 x cp2.
+DeepSeek-V3-shaped parity model's step (tests/parity/test_context_parallel.py) within 0.1% at cp2, cp4 and tp2 x cp2.
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ outputs of the layer's collectives: one all-reduce per row-parallel module, or u
 row-parallel module and one all-gather of each `gather_sequence` (and `moe_block`) module's input. Not modelled:
 what a split backward frees at its weight step (the whole set is kept to the step's end, an overestimate), a
 module whose saved tensors do not follow those styles (a family that shards other work), and a frozen non-linear
-weight's autocast copy of a shape no frozen 2-D parameter has. tests/test_planner_family.py holds the counter to
+weight's autocast copy of a shape no frozen 2-D parameter has. tests/unit/test_planner_family.py holds the counter to
 the Llama formulas and to a toy family's measured step.
 """
 

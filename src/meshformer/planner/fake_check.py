@@ -5,7 +5,7 @@ transforms, then `parallelize`: pipeline split, tensor parallelism, recompute, F
 ("fake" backend: collectives return at once) with every tensor a FakeTensor (shapes and dtypes, no storage); one
 forward and backward make the gradients (pipelines: gradients shaped as the parameters, a schedule would wait on
 its peers), one AdamW step makes its states, and their bytes are summed as a run sums them (train/memory.py). A
-7B layout checks in seconds; tests/test_memory.py holds the planner to it.
+7B layout checks in seconds; tests/cli/test_memory.py holds the planner to it.
 
     python -m meshformer.planner.fake_check CONFIG --rank R [--world W] [--dotted.overrides ...]   # prints JSON
 

@@ -36,7 +36,7 @@ holds as many micro-batches in flight as its schedule makes it (all of them unde
 multi-stage schedules are replayed from their own action list, planner/schedule.py), and a later stage keeps a
 receive buffer per micro-batch. Schedules that split the backward keep part of each micro-batch from its weight step
 to the end of the step (the Llama family's `split_backward_kept_bytes`; a family that does not say keeps it whole).
-tests/test_memory.py and tests/test_parallel.py check every figure against the bytes real runs measure
+tests/cli/test_memory.py and tests/parity/test_parallel.py check every figure against the bytes real runs measure
 (train/memory.py).
 """
 

@@ -1,6 +1,6 @@
 """Preference losses as pure functions of per-sequence completion log-probabilities: DPO and its TRL loss types,
 KTO (with its KL anchor z0), ORPO (odds ratio) and SimPO, each equal to TRL 1.16's code on the same inputs
-(tests/test_preference_loss.py calls TRL's own methods).
+(tests/refs/test_preference_loss.py calls TRL's own methods).
 
 Why here (train/) and not a package of its own: the step (train/step.py) is the only caller, next to the other
 loss-side modules (loss_scale.py, moe_balance.py); the data side lives in data/preference*.py, the config in

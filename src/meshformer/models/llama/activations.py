@@ -1,8 +1,8 @@
 """The Llama family's activation model: the bytes each decoder layer of models/llama/model.py saves for backward.
 
 Closed-form arithmetic over the layer's operations (RMSNorm, GQA attention through SDPA, SwiGLU), in Korthikanti
-et al.'s style: planner/memory.py's module docstring has the per-piece formulas, and tests/test_memory.py and
-tests/test_parallel.py hold them to the bytes real runs measure. The planner reaches it as the family's
+et al.'s style: planner/memory.py's module docstring has the per-piece formulas, and tests/cli/test_memory.py and
+tests/parity/test_parallel.py hold them to the bytes real runs measure. The planner reaches it as the family's
 `activation_model` (models/activations.py says what it is asked).
 """
 

@@ -22,7 +22,7 @@ stream's):
 Selective recompute keeps the three grouped matmuls' outputs (2 R F + R h) e where parallel/recompute.py keeps
 grouped matmuls, and under expert parallelism what its two all-to-alls return (collectives are not re-run),
 2 R h r in the stream's dtype r (the rows are cast after they arrive). Expert parallelism keeps R rows per rank on
-average (an even load; an uneven one is the imbalance metric). tests/test_moe_plan.py holds the block and the
+average (an even load; an uneven one is the imbalance metric). tests/unit/test_moe_plan.py holds the block and the
 planner to real steps.
 """
 

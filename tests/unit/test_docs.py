@@ -5,7 +5,7 @@ from pathlib import Path
 import meshformer.models  # noqa: F401 (registers the families: model_config.type's choices, as the CLI does)
 from meshformer.cli.config_cmd import iter_fields, markdown
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_config_md_is_generated_from_the_schema():

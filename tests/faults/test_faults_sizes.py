@@ -99,7 +99,7 @@ def test_moe_parameter_count_is_the_built_models_without_building_every_layer():
     from meshformer.models import build_model, family_of, num_params
 
     for name in ("demo_moe", "plan_deepseek_v2_lite", "plan_qwen3_30b_a3b"):
-        mc = load_config(str(Path(__file__).parents[1] / "configs" / f"{name}.yaml")).model.model_config
+        mc = load_config(str(Path(__file__).parents[2] / "configs" / f"{name}.yaml")).model.model_config
         for layers, first, step, dense in [(5, 0, 1, []), (7, 2, 1, [4]), (9, 1, 2, [3, 5, 6]), (6, 0, 3, [2])]:
             moe = dataclasses.replace(
                 mc.moe_config, first_k_dense_replace=first, decoder_sparse_step=step, mlp_only_layers=dense

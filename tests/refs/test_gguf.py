@@ -422,7 +422,7 @@ def test_smollm2_lora_sft_learns_and_its_adapter_matches_peft(smollm2, smollm2_c
     from meshformer.train.trainer import Trainer
 
     peft = pytest.importorskip("peft")
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     jsonl = tmp_path / "sft.jsonl"
     subprocess.run([sys.executable, str(root / "scripts/shakespeare_sft.py"), "--output", str(jsonl)], check=True)
     data = tmp_path / "data"

@@ -77,7 +77,7 @@ WORLD8 = [
     "fsdp2xtp2xpp2_ep2:moe_bal_seq",
 ]
 BIAS_ATOL = 1e-7  # biases move by exact +-rate steps, centred: any differing sign flips one by ~rate
-# bf16: tests/test_parallel.py's bounds (one bf16 rounding is 2^-9 relative; the loss averages ~230 tokens' noise,
+# bf16: test_parallel.py's bounds (one bf16 rounding is 2^-9 relative; the loss averages ~230 tokens' noise,
 # the grad norm sums squares of bf16 matmul outputs), against the bf16 and the fp32 single process. Under expert
 # parallelism an expert's grouped matmul sees another set of rows than in one process, rounding alike per row.
 BF16_RTOL = {"loss": 1e-3, "grad_norm": 1e-2}

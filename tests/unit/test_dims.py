@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "dist"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "dist"))
 import harness  # noqa: E402
 from meshformer.errors import UserError  # noqa: E402
 from meshformer.parallel.dims import MESH_DIMS, ParallelDims, shard_degree  # noqa: E402

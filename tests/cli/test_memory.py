@@ -1,6 +1,6 @@
 """Memory: what a run measures by component (train/memory.py) and what the planner predicts (planner/), checked
 against each other. The parallel layouts' measured bytes come from the parity suite's launches
-(tests/test_parallel.py::test_planner_predicts_every_layout)."""
+(tests/parity/test_parallel.py::test_planner_predicts_every_layout)."""
 
 from __future__ import annotations
 

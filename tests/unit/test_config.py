@@ -39,7 +39,7 @@ optimizer:
   warmup_steps: 2000
 """
 
-REFERENCE = Path(__file__).resolve().parents[2] / "shared" / "reference" / "mindformers-configs"  # ../shared
+REFERENCE = Path(__file__).resolve().parents[3] / "shared" / "reference" / "mindformers-configs"  # ../shared
 
 
 def write(tmp_path: Path, text: str, name: str = "c.yaml") -> Path:

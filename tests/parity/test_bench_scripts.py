@@ -19,7 +19,7 @@ import pytest
 
 from conftest import ROOT, TORCHRUN
 
-ACTIVATIONS_RTOL = 0.10  # as tests/test_memory.py
+ACTIVATIONS_RTOL = 0.10  # as tests/cli/test_memory.py
 TINY = ["--preset", "tiny", "--seq", "64", "--batch", "2", "--steps", "2", "--warmup", "1"]
 
 

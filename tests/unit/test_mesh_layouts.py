@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "dist"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "dist"))
 import harness  # noqa: E402
 from conftest import EMPTY, fails  # noqa: E402
 from meshformer.parallel.dims import ParallelDims  # noqa: E402
@@ -170,7 +170,7 @@ def test_a_product_other_than_the_world_is_refused(world, degrees):
 
 @pytest.mark.parametrize("field, words", [("context_parallel", "compile: true")])
 def test_cp_degree_is_not_yet_in_one_line(capsys, tmp_path, tiny_dataset, field, words):
-    # context parallelism with a technique it is not proven with (tests/test_context_parallel.py): the "not yet"
+    # context parallelism with a technique it is not proven with (tests/parity/test_context_parallel.py): the "not yet"
     # line comes first, not a world-size complaint
     flags = [f"--parallel_config.{field}", "2", "--compile", "true"]
     fails(capsys, ["config", "check", EMPTY, "--world-size", "3", *flags], f"parallel_config.{field}=2", "not yet")

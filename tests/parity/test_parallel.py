@@ -241,7 +241,7 @@ def test_planner_predicts_every_layout(results2, results4, results8):
     """Every rank of every layout above (dp, tp +- sequence parallel, FSDP, HSDP, pipelines under GPipe, 1F1B,
     interleaved 1F1B and looped BFS, their 2-D and 3-D combinations; recompute, accumulation; LoRA, bf16, tied,
     packed rows): the planner's parameters, gradients and optimizer states within 2% of the bytes the rank held,
-    its saved activations within 10% of the measured peak (tests/test_memory.py: the same for one process).
+    its saved activations within 10% of the measured peak (tests/cli/test_memory.py: the same for one process).
     Schedules that split the backward (zero bubble, ZBV, DualPipeV) are held too, with and without recompute: the
     part of each micro-batch that outlives its weight step, and the input gradients the V hands between its two
     middle stages, included."""

@@ -24,7 +24,7 @@ from conftest import tiny_overrides
 STEPS = 80  # long enough that 20 kills, each after at least one new step, land before the end
 EVERY_STEP = "[{type: MFLossMonitor, per_print_times: 100}, {type: CheckpointMonitor, save_checkpoint_steps: 1, keep_checkpoint_max: 2}]"  # noqa: E501
 ASYNC_EVERY_STEP = EVERY_STEP.replace("keep_checkpoint_max: 2", "keep_checkpoint_max: 2, async_save: true")
-EMPTY = str(Path(__file__).parent / "empty.yaml")
+EMPTY = str(Path(__file__).parents[1] / "empty.yaml")
 
 
 def _env() -> dict:
@@ -257,7 +257,7 @@ def test_a_dead_stopped_or_hung_rank_is_named_in_meshformers_own_message(tiny_da
     args = tiny_overrides(
         tiny_dataset, out, {"parallel_config.data_parallel": 2, "comm_timeout": 8, "runner_config.stop_step": 1000}
     )
-    hook = Path(__file__).parent / "dist" / "fault_rank.py"
+    hook = Path(__file__).parents[1] / "dist" / "fault_rank.py"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
     log = tmp_path / "torchrun.log"
     proc = subprocess.Popen(

@@ -331,7 +331,7 @@ def test_ckpt_info_verify_and_merge(tiny_dataset, tmp_path, capsys):
     text = capsys.readouterr().out
     assert "step_00000001: ok" in text and f"step_00000002: BAD: model/{shard.name} does not match its checksum" in text
 
-    merged = tmp_path / "merged"  # a Hugging Face directory (tests/test_ckpt_faults.py: transformers loads it)
+    merged = tmp_path / "merged"  # a Hugging Face directory (tests/faults/test_ckpt_faults.py: transformers loads it)
     assert main(["ckpt", "merge", str(out), "--output", str(merged)]) == 0  # falls back to step 1
     captured = capsys.readouterr()
     assert "skipped checkpoint" in captured.err and "step_00000001" in captured.out

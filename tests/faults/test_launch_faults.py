@@ -22,7 +22,7 @@ from pathlib import Path
 from conftest import ROOT, checksums, tiny_overrides, torchrun_env
 
 TOTAL = 400
-EMPTY = Path(__file__).parent / "empty.yaml"
+EMPTY = Path(__file__).parents[1] / "empty.yaml"
 
 
 def _metrics(out: Path) -> list[dict]:

@@ -29,7 +29,7 @@ def _cli(dataset: Path, out: Path, steps: int, extra: dict | None = None) -> lis
     args = tiny_overrides(
         dataset, out, {"runner_config.stop_step": steps, "lr_schedule.total_steps": TOTAL, **(extra or {})}
     )
-    return [sys.executable, "-m", "meshformer", "train", str(Path(__file__).parent / "empty.yaml"), *args]
+    return [sys.executable, "-m", "meshformer", "train", str(Path(__file__).parents[1] / "empty.yaml"), *args]
 
 
 def _wait_for_steps(proc: subprocess.Popen, out: Path, n: int, timeout: float = 120) -> None:

@@ -1,6 +1,6 @@
 """LoRA as a model transform: PEFT-compatible adapters proven against `peft`, merged exports against the adapter,
 frozen base weights, an optimizer that holds only the adapters, and the MindSpore spellings of the config.
-(Parallel layouts: the `lora` variant of the parity suite, tests/test_parallel.py.)"""
+(Parallel layouts: the `lora` variant of the parity suite, tests/parity/test_parallel.py.)"""
 
 from __future__ import annotations
 
@@ -107,7 +107,7 @@ def test_pet_method_short_form_turns_lora_on(tmp_path):
     assert cfg.model.model_config.pet_config.pet_type == "lora"
     notices: list[str] = []
     mindspore = (
-        Path(__file__).resolve().parents[2] / "shared/reference/mindformers-configs/r1.5.0__llama2__lora_llama2_7b.yaml"
+        Path(__file__).resolve().parents[3] / "shared/reference/mindformers-configs/r1.5.0__llama2__lora_llama2_7b.yaml"
     )
     cfg = load_config(mindspore, notices=notices)
     pc = cfg.model.model_config.pet_config

@@ -1,5 +1,5 @@
 """Fine-tuning interoperability, proven against the reference tools (Mistral's import, with or
-without its sliding window: tests/test_mistral.py): an exported LoRA adapter names its Hugging Face base,
+without its sliding window: tests/refs/test_mistral.py): an exported LoRA adapter names its Hugging Face base,
 so `peft.AutoPeftModelForCausalLM` loads it from its folder alone with meshformer's logits; eval_dataset.batch_size
 lets a validation split smaller than the training micro-batch evaluate, with the loss computed directly; --verify's
 help quotes the tolerance it applies; torch.profiler's kineto markers stay out of training logs."""

@@ -163,7 +163,7 @@ def test_output_paths_that_are_files(tiny_dataset, tmp_path, capsys):
     f.write_text("mine")
     before = checksums(tmp_path)
     fails(capsys, train_argv(tiny_dataset, f), "output_dir=", "is a file")
-    corpus = str(Path(__file__).resolve().parents[1] / "data" / "shakespeare" / "hamlet.txt")
+    corpus = str(Path(__file__).resolve().parents[2] / "data" / "shakespeare" / "hamlet.txt")
     fails(capsys, ["preprocess", "--input", corpus, "--tokenizer", str(tiny_dataset), "--output", str(f)], "is a file")
     fails(capsys, ["tokenizer", "train", "--input", corpus, "--vocab-size", "300", "--output", str(f)], "taken")
     assert checksums(tmp_path) == before
