@@ -164,11 +164,19 @@ def test_cdpo_is_the_conservative_sigmoid_of_trl_cpo_and_old_dpo():
     _close(ours, theirs.mean(), "cdpo")
 
 
-def test_the_config_names_the_loss_types_built():
+def test_every_loss_type_the_config_accepts_is_computed():
+    """The config's choices are the loss module's list: each one gives a finite loss (none is a name without code)."""
     from meshformer.config import preference_schema
 
-    assert preference_schema.DPO_LOSS_TYPES == pl.DPO_LOSS_TYPES
-    assert preference_schema.KTO_LOSS_TYPES == pl.KTO_LOSS_TYPES
+    g = torch.Generator().manual_seed(0)
+    c, r, rc, rr = (torch.randn(4, generator=g, dtype=torch.float64) - 5 for _ in range(4))
+    for kind in preference_schema.DPO_LOSS_TYPES:
+        smoothing = 0.1 if kind in ("robust", "cdpo", "exo_pair") else 0.0
+        lengths = {"chosen_lengths": torch.full((4,), 3.0), "rejected_lengths": torch.full((4,), 5.0)}
+        loss, _ = pl.dpo_loss(c, r, rc, rr, beta=0.1, loss_type=kind, label_smoothing=smoothing, **lengths)
+        assert torch.isfinite(loss), kind
+    with pytest.raises(ValueError, match="unknown DPO loss type"):
+        pl.dpo_loss(c, r, rc, rr, loss_type="aot")
 
 
 def _kto_self(beta, wd, wu, loss_type):

@@ -17,8 +17,8 @@ from meshformer.errors import UserError
 
 METHODS = ("none", "dpo", "kto", "orpo", "simpo")
 REFERENCES = ("copy", "adapter", "precomputed", "none")
-# TRL 1.16 DPOConfig.loss_type values built (train/preference_loss.py DPO_LOSS_TYPES, repeated: the config does not
-# import torch; tests assert they are equal), plus cdpo: the conservative sigmoid of TRL <= 0.28 and LLaMA-Factory.
+# TRL 1.16 DPOConfig.loss_type values built (train/preference_loss.py computes each), plus cdpo: the conservative
+# sigmoid of TRL <= 0.28 and LLaMA-Factory.
 DPO_LOSS_TYPES = (
     "sigmoid",
     "hinge",

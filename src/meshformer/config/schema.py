@@ -313,7 +313,7 @@ class MeshformerConfig:
     compile: bool | str = setting(
         "auto",
         "torch.compile each decoder layer and the loss (Inductor); auto: on GPUs without tensor parallelism or swap, "
-        "and on CPUs for runs of at least 100 TFLOP per process (compiling costs 25-60 s there).",
+        "and on CPUs for runs of at least 100 TFLOP per process (where compiling pays for itself).",
         choices=(True, False, "auto"),
     )
     cpu_matmul: str = setting(
@@ -325,7 +325,7 @@ class MeshformerConfig:
     retain_host_memory: bool = setting(
         True,
         "CPU runs: keep the memory a step frees in the process (glibc malloc never trims, 256 MiB top pad) instead "
-        "of page-faulting it back every step (-6% bf16 step time measured).",
+        "of page-faulting it back every step (shorter steps: docs/benchmarks.md).",
     )
     optimizer: OptimizerConfig = setting(OptimizerConfig, "Optimizer and its hyper-parameters.")
     lr_schedule: LrScheduleConfig = setting(LrScheduleConfig, "Learning-rate schedule.")

@@ -31,27 +31,13 @@ import math
 import torch
 import torch.nn.functional as F
 
+from meshformer.config.preference_schema import DPO_LOSS_TYPES, KTO_LOSS_TYPES
+
 # TRL 1.16 DPOConfig loss types built here, plus cdpo: the conservative sigmoid -(1-eps) log sig(z) - eps log sig(-z)
 # that TRL <= 0.28, LLaMA-Factory and torchtune call "sigmoid" (TRL 1.16's sigmoid has no smoothing). Not built:
 # aot / aot_unpaired (they sort log-ratios across the whole per-device batch, so their value depends on how a
 # layout splits it) and f_divergence_type other than reverse_kl.
-DPO_LOSS_TYPES = (
-    "sigmoid",
-    "hinge",
-    "ipo",
-    "robust",
-    "exo_pair",
-    "nca_pair",
-    "bco_pair",
-    "sppo_hard",
-    "apo_zero",
-    "apo_down",
-    "discopop",
-    "sft",
-    "sigmoid_norm",
-    "cdpo",
-)
-KTO_LOSS_TYPES = ("kto", "apo_zero_unpaired")
+# The loss types built are the config's choices (config/preference_schema.py), cdpo among them
 DISCOPOP_TAU = 0.05  # TRL DPOConfig.discopop_tau default
 
 
