@@ -76,7 +76,7 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     x * cos + cat([-x2, x1]) * sin, written as the halves swapped (a flip over an axis of two) times sin with its
     first half negated: the same products bit for bit, but without the cat Inductor's backward fuses into one
     pass, where the cat's gradient (two slices padded back to full width) left fp32 intermediates per layer
-    (measured: the compiled bf16 step 5% faster on a CPU, docs/benchmarks.md).
+    (a faster compiled bf16 step on a CPU: docs/benchmarks.md).
     """
     xc = x.to(cos.dtype)
     half = x.shape[-1] // 2

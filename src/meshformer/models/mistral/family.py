@@ -17,7 +17,7 @@ MISTRAL = ModelFamily(
     config_from_hf=config_from_hf,
     config_to_hf=config_to_hf,
     # None: the planner counts activations on the real modules (planner/counted_activations.py), which keep the
-    # window's banded mask that Llama's formulas leave out (measured: 8 bytes from the step, Llama's formulas 1.4% low)
+    # window's banded mask that Llama's formulas leave out
     activation_model=None,
     shape_fields=SHAPE_FIELDS,
     cp_attention={Attention: {"attend": "attend"}},
