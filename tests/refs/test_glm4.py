@@ -12,7 +12,15 @@ import json
 import pytest
 import torch
 
-from conftest import EMPTY, HF_SMALL, LORA, checksums, exports_as_the_original, fails, save_hf_model, tiny_overrides
+from conftest import EMPTY, HF_SMALL, checksums, exports_as_the_original, fails, save_hf_model
+from family_checks import (
+    assert_packed_rows_equal_each_sample_alone,
+    assert_peft_gives_our_logits,
+    assert_plan_matches_a_training_step,
+    assert_rel,
+    lora_fine_tune_and_export,
+    text,
+)
 from meshformer.cli.main import main
 from meshformer.config import load_config
 from meshformer.interop.inference import load_for_inference
@@ -33,15 +41,6 @@ GLM4 = {
     "pad_token_id": 0,
     "eos_token_id": 1,
 }
-
-
-def text(n: int = 40, seed: int = 3) -> torch.Tensor:
-    return torch.randint(0, 512, (2, n), generator=torch.Generator().manual_seed(seed))
-
-
-def assert_rel(got: torch.Tensor, want: torch.Tensor, rtol: float = 1e-5) -> None:
-    """Within rtol relative to the largest |want| (fp32 logits)."""
-    assert (got - want).abs().max() <= rtol * want.abs().max(), float((got - want).abs().max() / want.abs().max())
 
 
 @pytest.fixture
@@ -151,15 +150,7 @@ def test_packed_rows_equal_each_sample_alone():
     )  # fmt: skip
     model = create_model(mc, 0).eval()
     x = text(40)
-    lengths = [[13, 27], [21, 9, 10]]
-    documents = torch.tensor([sum(([i] * n for i, n in enumerate(row)), []) for row in lengths])
-    packed = model(x, documents=documents)
-    for row, sizes in enumerate(lengths):
-        start = 0
-        for n in sizes:
-            alone = model(x[row : row + 1, start : start + n])
-            torch.testing.assert_close(packed[row : row + 1, start : start + n], alone, rtol=1e-5, atol=1e-5)
-            start += n
+    assert_packed_rows_equal_each_sample_alone(model, x)
 
 
 def test_param_count_and_flops_count_the_extra_norms():
@@ -174,44 +165,25 @@ def test_param_count_and_flops_count_the_extra_norms():
 
 
 def test_lora_fine_tune_exports_an_adapter_peft_loads_with_the_same_logits(tmp_path, tiny_dataset, tokenizer_dir):
-    peft = pytest.importorskip("peft")
+    pytest.importorskip("peft")
     from conftest import TINY_HF_LLAMA
 
     src = tmp_path / "hf"
     save_hf_model(src, tokenizer_dir, {**TINY_HF_LLAMA, "partial_rotary_factor": 0.5, "pad_token_id": 0,
                                        "eos_token_id": 1}, "Glm4")  # fmt: skip
     assert main(["import", str(src), "--output", str(tmp_path / "ckpt")]) == 0
-    extra = {**LORA, "load_checkpoint": str(tmp_path / "ckpt"), "run_mode": "finetune"}
-    from meshformer.train.trainer import run_training
-
-    run_training(load_config(None, tiny_overrides(tiny_dataset, tmp_path / "run", extra)))
-    assert main(["export", str(tmp_path / "run"), "--output", str(tmp_path / "adapter")]) == 0
-    ours, cfg, _ = load_for_inference(tmp_path / "run")
+    run, adapter = lora_fine_tune_and_export(tmp_path / "ckpt", tiny_dataset, tmp_path)
+    x = text(32)
+    cfg, want, loaded = assert_peft_gives_our_logits(run, adapter, x)
     mc = cfg.model.model_config
     assert (mc.type, mc.partial_rotary_factor, mc.qkv_has_bias) == ("Glm4Config", 0.5, True)  # the base's
-    x = text(32)
-    with torch.no_grad():
-        want = ours(x)
-        loaded = peft.AutoPeftModelForCausalLM.from_pretrained(str(tmp_path / "adapter"), dtype=torch.float32)
-        torch.testing.assert_close(loaded.eval()(x).logits, want, rtol=1e-4, atol=1e-4)
 
 
 def test_the_planner_is_exact_for_the_family(tiny_dataset, tmp_path):
     """One real training step's measured bytes by component (train/memory.py) against the plan (test_memory.py's
     check): activations counted on the real modules (the post-block norms included), within 1e-3."""
-    from meshformer.parallel.dims import ParallelDims
-    from meshformer.planner import memory
-    from meshformer.train.trainer import run_training
-    from test_memory import compare
-
-    extra = {"model.model_config.type": "Glm4Config", "runner_config.stop_step": 2}
-    cfg = load_config(None, tiny_overrides(tiny_dataset, tmp_path / "run", extra))
-    last = run_training(cfg)
-    dims = ParallelDims.from_config(cfg, 1)
-    predicted = memory.plan_memory(cfg, dims, cfg.train_dataset.batch_size, 1)[0]
-    assert predicted.activations_counted
-    assert compare(last, predicted) == [], (last["mem_activations_bytes"], predicted.activations_bytes)
-    assert abs(predicted.activations_bytes / last["mem_activations_bytes"] - 1) < 1e-3
+    extra = {"model.model_config.type": "Glm4Config"}
+    assert_plan_matches_a_training_step(tiny_dataset, tmp_path, extra)
 
 
 def test_a_peft_adapter_of_gate_or_up_alone_is_refused_naming_the_fused_projection():

@@ -16,16 +16,21 @@ import torch
 from conftest import (
     EMPTY,
     HF_SMALL,
-    LORA,
     TINY_HF_LLAMA,
     checksums,
     exports_as_the_original,
     fails,
     save_hf_model,
-    tiny_overrides,
+)
+from family_checks import (
+    assert_packed_rows_equal_each_sample_alone,
+    assert_peft_gives_our_logits,
+    assert_plan_matches_a_training_step,
+    assert_rel,
+    lora_fine_tune_and_export,
+    text,
 )
 from meshformer.cli.main import main
-from meshformer.config import load_config
 from meshformer.interop.inference import load_for_inference
 from meshformer.models import create_model
 from meshformer.models.generate import generate
@@ -50,15 +55,6 @@ GPT_OSS = {
         "original_max_position_embeddings": 64, "rope_theta": 150000.0,
     },
 }  # fmt: skip
-
-
-def text(n: int = 40, seed: int = 3) -> torch.Tensor:
-    return torch.randint(0, 512, (2, n), generator=torch.Generator().manual_seed(seed))
-
-
-def assert_rel(got: torch.Tensor, want: torch.Tensor, rtol: float = 1e-5) -> None:
-    """Within rtol relative to the largest |want| (fp32 logits)."""
-    assert (got - want).abs().max() <= rtol * want.abs().max(), float((got - want).abs().max() / want.abs().max())
 
 
 def _spread(model) -> None:
@@ -184,15 +180,7 @@ def test_packed_rows_equal_each_sample_alone():
         if name.endswith("sinks"):
             p.normal_()
     x = text(40)
-    lengths = [[13, 27], [21, 9, 10]]
-    documents = torch.tensor([sum(([i] * n for i, n in enumerate(row)), []) for row in lengths])
-    packed = model(x, documents=documents)
-    for row, sizes in enumerate(lengths):
-        start = 0
-        for n in sizes:
-            alone = model(x[row : row + 1, start : start + n])
-            torch.testing.assert_close(packed[row : row + 1, start : start + n], alone, rtol=1e-5, atol=1e-5)
-            start += n
+    assert_packed_rows_equal_each_sample_alone(model, x)
 
 
 def test_gguf_export_is_refused_in_one_line(imported, tmp_path, capsys):
@@ -210,41 +198,28 @@ TINY_GPT_OSS.update(num_hidden_layers=2, intermediate_size=TINY_HF_LLAMA["interm
 
 
 def test_lora_fine_tune_exports_an_adapter_peft_loads_with_the_same_logits(tmp_path, tiny_dataset, tokenizer_dir):
-    peft = pytest.importorskip("peft")
+    pytest.importorskip("peft")
     src = tmp_path / "hf"
     save_hf_model(src, tokenizer_dir, TINY_GPT_OSS, "GptOss", before_save=_spread)
     assert main(["import", str(src), "--output", str(tmp_path / "ckpt")]) == 0
-    extra = {**LORA, "load_checkpoint": str(tmp_path / "ckpt"), "run_mode": "finetune"}
-    extra["model.model_config.pet_config.target_modules"] = "[q_proj, k_proj, v_proj, o_proj]"
-    from meshformer.train.trainer import run_training
-
-    run_training(load_config(None, tiny_overrides(tiny_dataset, tmp_path / "run", extra)))
-    assert main(["export", str(tmp_path / "run"), "--output", str(tmp_path / "adapter")]) == 0
-    ours, cfg, _ = load_for_inference(tmp_path / "run")
-    assert cfg.model.model_config.sliding_window == WINDOW  # the fine-tune took the base's shape
+    run, adapter = lora_fine_tune_and_export(
+        tmp_path / "ckpt",
+        tiny_dataset,
+        tmp_path,
+        {"model.model_config.pet_config.target_modules": "[q_proj, k_proj, v_proj, o_proj]"},
+    )
     x = text(32)
+    cfg, want, loaded = assert_peft_gives_our_logits(run, adapter, x)
+    assert cfg.model.model_config.sliding_window == WINDOW  # the fine-tune took the base's shape
     with torch.no_grad():
-        want = ours(x)
-        loaded = peft.AutoPeftModelForCausalLM.from_pretrained(str(tmp_path / "adapter"), dtype=torch.float32)
         base = transformers.AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32)
         assert (base.eval()(x).logits - want).abs().max() > 1e-4  # the adapter changed the model
-        torch.testing.assert_close(loaded.eval()(x).logits, want, rtol=1e-4, atol=1e-4)
 
 
 def test_the_planner_is_exact_for_the_family(tiny_dataset, tmp_path):
     """One real training step's measured bytes by component (train/memory.py) against the plan (test_memory.py's
     check): activations counted on the real modules (banded masks, the sinks' key, the experts' closed form)."""
-    from meshformer.parallel.dims import ParallelDims
-    from meshformer.planner import memory
-    from meshformer.train.trainer import run_training
-    from test_memory import compare
-
     M = "model.model_config."
-    extra = {M + "type": "GptOssConfig", M + "sliding_window": WINDOW, "runner_config.stop_step": 2}
+    extra = {M + "type": "GptOssConfig", M + "sliding_window": WINDOW}
     extra |= {M + "moe_config.expert_num": 4, M + "moe_config.num_experts_chosen": 2, M + "intermediate_size": 32}
-    cfg = load_config(None, tiny_overrides(tiny_dataset, tmp_path / "run", extra))
-    last = run_training(cfg)
-    dims = ParallelDims.from_config(cfg, 1)
-    predicted = memory.plan_memory(cfg, dims, cfg.train_dataset.batch_size, 1)[0]
-    assert predicted.activations_counted
-    assert compare(last, predicted) == [], (last["mem_activations_bytes"], predicted.activations_bytes)
+    assert_plan_matches_a_training_step(tiny_dataset, tmp_path, extra, within=None)

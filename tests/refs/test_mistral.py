@@ -13,7 +13,15 @@ import json
 import pytest
 import torch
 
-from conftest import EMPTY, HF_SMALL, LORA, checksums, exports_as_the_original, fails, save_hf_model, tiny_overrides
+from conftest import EMPTY, HF_SMALL, checksums, exports_as_the_original, fails, save_hf_model
+from family_checks import (
+    assert_packed_rows_equal_each_sample_alone,
+    assert_peft_gives_our_logits,
+    assert_plan_matches_a_training_step,
+    assert_rel,
+    lora_fine_tune_and_export,
+    text,
+)
 from meshformer.cli.main import main
 from meshformer.config import load_config
 from meshformer.errors import UserError
@@ -26,15 +34,6 @@ transformers = pytest.importorskip("transformers")
 
 WINDOW = 8
 MISTRAL = {**HF_SMALL, "num_key_value_heads": 2, "rope_theta": 1e5, "sliding_window": WINDOW}
-
-
-def text(n: int = 40, seed: int = 3) -> torch.Tensor:
-    return torch.randint(0, 512, (2, n), generator=torch.Generator().manual_seed(seed))
-
-
-def assert_rel(got: torch.Tensor, want: torch.Tensor, rtol: float = 1e-5) -> None:
-    """Within rtol relative to the largest |want| (fp32 logits)."""
-    assert (got - want).abs().max() <= rtol * want.abs().max(), float((got - want).abs().max() / want.abs().max())
 
 
 @pytest.fixture
@@ -145,56 +144,28 @@ def test_packed_rows_with_the_window_equal_each_sample_alone():
     )  # fmt: skip
     model = create_model(mc, 0).eval()
     x = text(40)
-    lengths = [[13, 27], [21, 9, 10]]
-    documents = torch.tensor([sum(([i] * n for i, n in enumerate(row)), []) for row in lengths])
-    packed = model(x, documents=documents)
-    for row, sizes in enumerate(lengths):
-        start = 0
-        for n in sizes:
-            alone = model(x[row : row + 1, start : start + n])
-            torch.testing.assert_close(packed[row : row + 1, start : start + n], alone, rtol=1e-5, atol=1e-5)
-            start += n
+    assert_packed_rows_equal_each_sample_alone(model, x)
 
 
 def test_lora_fine_tune_exports_an_adapter_peft_loads_with_the_same_logits(tmp_path, tiny_dataset, tokenizer_dir):
-    peft = pytest.importorskip("peft")
+    pytest.importorskip("peft")
     from conftest import TINY_HF_LLAMA
 
     src = tmp_path / "hf"
     save_hf_model(src, tokenizer_dir, {**TINY_HF_LLAMA, "sliding_window": WINDOW}, "Mistral")
     assert main(["import", str(src), "--output", str(tmp_path / "ckpt")]) == 0
-    extra = {**LORA, "load_checkpoint": str(tmp_path / "ckpt"), "run_mode": "finetune"}
-    from meshformer.train.trainer import run_training
-
-    run_training(load_config(None, tiny_overrides(tiny_dataset, tmp_path / "run", extra)))
-    assert main(["export", str(tmp_path / "run"), "--output", str(tmp_path / "adapter")]) == 0
-    ours, cfg, _ = load_for_inference(tmp_path / "run")
-    assert cfg.model.model_config.sliding_window == WINDOW  # the fine-tune took the base's window
+    run, adapter = lora_fine_tune_and_export(tmp_path / "ckpt", tiny_dataset, tmp_path)
     x = text(32)
-    with torch.no_grad():
-        want = ours(x)
-        loaded = peft.AutoPeftModelForCausalLM.from_pretrained(str(tmp_path / "adapter"), dtype=torch.float32)
-        assert loaded.base_model.model.config.sliding_window == WINDOW
-        torch.testing.assert_close(loaded.eval()(x).logits, want, rtol=1e-4, atol=1e-4)
+    cfg, want, loaded = assert_peft_gives_our_logits(run, adapter, x)
+    assert cfg.model.model_config.sliding_window == WINDOW  # the fine-tune took the base's window
+    assert loaded.base_model.model.config.sliding_window == WINDOW
 
 
 def test_the_planner_is_exact_for_the_windowed_family(tiny_dataset, tmp_path):
     """One real training step's measured bytes by component (train/memory.py) against the plan (test_memory.py's
     check), with a window shorter than the row: activations counted on the real modules, within 1e-3."""
-    from meshformer.parallel.dims import ParallelDims
-    from meshformer.planner import memory
-    from meshformer.train.trainer import run_training
-    from test_memory import compare
-
     extra = {
         "model.model_config.type": "MistralConfig",
         "model.model_config.sliding_window": WINDOW,
-        "runner_config.stop_step": 2,
     }
-    cfg = load_config(None, tiny_overrides(tiny_dataset, tmp_path / "run", extra))
-    last = run_training(cfg)
-    dims = ParallelDims.from_config(cfg, 1)
-    predicted = memory.plan_memory(cfg, dims, cfg.train_dataset.batch_size, 1)[0]
-    assert predicted.activations_counted  # on the real modules: the window's banded mask included
-    assert compare(last, predicted) == [], (last["mem_activations_bytes"], predicted.activations_bytes)
-    assert abs(predicted.activations_bytes / last["mem_activations_bytes"] - 1) < 1e-3  # the two differ by a few bytes
+    assert_plan_matches_a_training_step(tiny_dataset, tmp_path, extra)
