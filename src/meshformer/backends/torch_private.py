@@ -1,9 +1,9 @@
 """Every private torch API meshformer calls, each wrapped once, with the torch release it was checked on.
 
 A private name can move or change between releases without notice. Calling it only from here means an upgrade
-breaks one function with a clear name, not a dozen call sites; `tests/unit/test_structure.py` fails if a private torch
-name, or an underscored attribute of a torch object (a schedule's `_stages`, a tensor's `_base`), is used anywhere
-else under src/. Checked on torch 2.13.0 (CPU build); the GPU paths on the same release.
+breaks one function with a clear name, not a dozen call sites; `tests/unit/test_private_api_scan.py` fails if a
+private torch name, or an underscored attribute of a torch object (a schedule's `_stages`, a tensor's `_base`), is
+used anywhere else under src/. Checked on torch 2.13.0 (CPU build); the GPU paths on the same release.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ plus one `register_family` call; the config loader, the trainer, the planner, th
 the family up by the config's `model_config.type` (`family_of`) or by a Hugging Face config.json (`family_for_hf`)
 and ask it what varies by architecture (its config class, FLOPs, KV cache, context parallelism, the fields a
 fine-tune takes): they never name an architecture, an attention class or a family's field themselves
-(tests/unit/test_structure.py scans for it). The built-in families (`BUILTIN_FAMILIES`, each a folder's name)
+(tests/unit/test_family_scan.py scans for it). The built-in families (`BUILTIN_FAMILIES`, each a folder's name)
 register on the registry's first use; their config classes, which need no torch, as soon as `meshformer.models` is
 imported.
 
