@@ -29,10 +29,19 @@ demo: $(STAMP)
 	$(BIN)/meshformer train configs/demo_shakespeare.yaml
 	$(BIN)/meshformer generate --checkpoint runs/demo --prompt "ROMEO." --max-new-tokens 80 --top-p 0.9 --temperature 0.8 --seed 0
 
-# The references the tests compare with (megatron-core, mindspore, datasets, trl): `make test` only, not `make demo`;
+# The references the tests compare with (megatron-core, mindspore, datasets, trl, the trackers): `make test` only, not `make demo`;
 # reinstalled when pyproject.toml changes (a new reference joins the refs extra).
+# The experiment trackers join them (tests/refs/test_trackers.py reads each one's files). swanlab 0.10 pins
+# protobuf<7 while mindspore 2.10 needs protobuf>=7.34.1: one resolver run cannot satisfy both, yet swanlab runs
+# on protobuf 7 (the tracker test proves it). So wandb and mlflow install with the references, and swanlab after
+# them with --no-deps, its runtime dependencies (its METADATA's, less protobuf) named here.
+SWANLAB_DEPS := click nvidia-ml-py orjson 'platformdirs>=4.2.0' 'psutil>=5.0.0' 'pwinput>=1.0.3' \
+	'pydantic-settings>=2.8.1' 'pydantic~=2.0' 'pyecharts>=2.0.0' 'pyroaring>=1.0.0,<1.0.4' pyyaml \
+	'requests>=2.28.0' 'rich>=13.6.0' setuptools 'urllib3>=1.26.0' watchdog 'wrapt>=1.17.0'
 $(REFS_STAMP): $(STAMP) pyproject.toml
-	$(BIN)/pip install --quiet --disable-pip-version-check -e '.[test,refs]'
+	$(BIN)/pip install --quiet --disable-pip-version-check -e '.[test,refs,wandb,mlflow]'
+	$(BIN)/pip install --quiet --disable-pip-version-check $(SWANLAB_DEPS)
+	$(BIN)/pip install --quiet --disable-pip-version-check --no-deps swanlab==0.10.3
 	touch $@
 
 test: $(REFS_STAMP)

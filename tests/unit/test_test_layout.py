@@ -14,7 +14,19 @@ SRC = ROOT / "src"
 TESTS = ROOT / "tests"
 KINDS = ("unit", "parity", "cli", "faults", "refs")
 # What tests/refs/ compares with: a unit test imports none of them, directly or through conftest's helpers.
-REFERENCES = {"transformers", "peft", "trl", "megatron", "mindspore", "lm_eval", "datasets", "gguf"}
+REFERENCES = {
+    "transformers",
+    "peft",
+    "trl",
+    "megatron",
+    "mindspore",
+    "lm_eval",
+    "datasets",
+    "gguf",
+    "wandb",
+    "mlflow",
+    "swanlab",
+}
 REFERENCE_HELPERS = {"save_hf_model", "exports_as_the_original", "imports_with_its_logits", "transformers_render"}
 LAUNCH_NAMES = {"TORCHRUN", "DIST", "torchrun_env"}  # conftest's: torchrun's command, the workers it runs, its env
 SPAWNS = {("subprocess", n) for n in ("run", "Popen", "call", "check_call", "check_output")} | {

@@ -38,14 +38,17 @@ def run(args) -> int:
 
 
 def run_training(cfg, notices: list[str] | None = None, hooks=()) -> dict:
-    """train/trainer.py's run_training as `meshformer train` runs it: the memory floor first (planner/fits.py: a
-    size typo fails before anything is allocated), and load_checkpoint may name a Hugging Face directory
-    (interop/base_model.py), for the fine-tune's shape and the weights."""
+    """train/trainer.py's run_training as `meshformer train` runs it: first the trackers report_to names must be
+    installed (observe/trackers.py) and the memory floor met (planner/fits.py: a size typo fails before anything is
+    allocated), and load_checkpoint may name a Hugging Face directory (interop/base_model.py), for the fine-tune's
+    shape and the weights."""
     from meshformer.interop.base_model import BASE_MODEL_SOURCES
+    from meshformer.observe.trackers import check_trackers_installed
     from meshformer.planner.fits import check_run_fits
     from meshformer.train import trainer
 
-    return trainer.run_training(cfg, notices, hooks, preflight=[check_run_fits], sources=BASE_MODEL_SOURCES)
+    preflight = [check_trackers_installed, check_run_fits]
+    return trainer.run_training(cfg, notices, hooks, preflight=preflight, sources=BASE_MODEL_SOURCES)
 
 
 def profile_overrides(window: str) -> list[str]:

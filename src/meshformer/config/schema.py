@@ -14,6 +14,7 @@ from meshformer.config.data_schema import DatasetConfig, ProcessorConfig
 from meshformer.config.fields import field_default, is_dataclass_type, provenance, setting
 from meshformer.config.model_schema import ModelConfig, ModelSection
 from meshformer.config.preference_schema import PreferenceConfig
+from meshformer.config.tracker_schema import REPORT_TO_DOC, RUN_NAME_DOC, TrackerConfig
 
 __all__ = [
     "MeshformerConfig",
@@ -341,6 +342,9 @@ class MeshformerConfig:
     eval_config: EvalConfig = setting(EvalConfig, "Evaluation cadence.")
     monitor_config: MonitorConfig = setting(MonitorConfig, "Metrics and progress display.")
     tensorboard: TensorboardConfig = setting(TensorboardConfig, "TensorBoard event files of the metrics.")
+    report_to: str | list = setting(["tensorboard"], REPORT_TO_DOC)
+    run_name: str = setting("", RUN_NAME_DOC)
+    tracker_config: TrackerConfig = setting(TrackerConfig, "Experiment trackers' project and local files.")
     profile: bool = setting(False, "Record a torch.profiler trace of steps profile_start_step..profile_stop_step.")
     profile_start_step: int = setting(1, "First profiled step (1-based).", ge=1)
     profile_stop_step: int = setting(10, "Last profiled step (inclusive).", ge=1)

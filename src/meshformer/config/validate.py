@@ -11,6 +11,7 @@ import re
 from meshformer.config.preference_schema import check_preference
 from meshformer.config.scale_sense import scale_sense
 from meshformer.config.schema import MeshformerConfig, ModelConfig
+from meshformer.config.tracker_schema import report_to_names
 from meshformer.errors import UserError
 
 # Schedules that need at least as many micro-batches as pipeline stages.
@@ -71,6 +72,7 @@ def validate_config(cfg: MeshformerConfig) -> None:
     check_swap(cfg)
     check_compile(cfg)
     check_preference(cfg)
+    cfg.report_to = report_to_names(cfg.report_to)  # one list of tracker names, whichever spelling
     if cfg.profile and cfg.profile_stop_step < cfg.profile_start_step:
         raise UserError(
             f"profile_stop_step={cfg.profile_stop_step} is before profile_start_step={cfg.profile_start_step}: "

@@ -1,5 +1,6 @@
-"""What a training run reports beside metrics.jsonl, behind one object the trainer drives: TensorBoard scalars,
-the profiler (window and communication probe), and the figures of its journal line.
+"""What a training run reports beside metrics.jsonl, behind one object the trainer drives: the experiment trackers
+(TensorBoard, W&B, MLflow, SwanLab: observe/trackers.py), the profiler (window and communication probe), and the
+figures of its journal line.
 
 The journal's medians are over the last `WINDOW` steps (the steady state; a long run's records are not all kept in
 memory); the peak memory and the last evaluation loss are kept over the whole run.
@@ -12,15 +13,15 @@ from pathlib import Path
 
 from meshformer.observe.journal import record_run, summarize
 from meshformer.observe.profile import StepProfiler
-from meshformer.observe.tensorboard import TensorBoardSink
+from meshformer.observe.trackers import Trackers
 
 WINDOW = 1000
 
 
 class RunObservers:
-    def __init__(self, cfg, env, out_dir: Path, log):
-        tb = cfg.tensorboard
-        self.tensorboard = TensorBoardSink(tb.tensorboard_dir, env.is_metrics_rank, tb.tensorboard_queue_size)
+    def __init__(self, cfg, env, out_dir: Path, log, resuming: bool = False):
+        """resuming: the run continues from a checkpoint (the trackers continue their runs)."""
+        self.trackers = Trackers(cfg, env.is_metrics_rank, out_dir, resuming, log)
         self.profiler = StepProfiler(cfg, env, out_dir, log)
         self.recent: deque[dict] = deque(maxlen=WINDOW)
         self.peak_mem = 0
@@ -35,7 +36,7 @@ class RunObservers:
         return {} if seconds is None else {"time_comm_s": seconds}
 
     def write(self, rec: dict) -> None:
-        self.tensorboard.write(rec)
+        self.trackers.write(rec)
         self.recent.append(rec)
         self.peak_mem = max(self.peak_mem, rec.get("peak_mem_bytes") or 0)
         if rec.get("eval_loss") is not None:
@@ -48,13 +49,17 @@ class RunObservers:
 
     def close(self) -> None:
         self.profiler.close()
-        self.tensorboard.close()
 
     def finish(self, cfg, dims, global_batch: int) -> Path | None:
-        """Write run_summary.json and the journal line (metrics rank); returns the journal's path."""
+        """Write run_summary.json and the journal line (metrics rank), hand the summary to the trackers and let
+        them finish; returns the journal's path."""
         if not self.recent:
+            self.trackers.finish(None)
             return None
         summary = summarize(cfg, dims, list(self.recent), global_batch)
         summary["peak_mem_bytes"] = self.peak_mem or summary["peak_mem_bytes"]
         summary["eval_loss"] = self.eval_loss
-        return record_run(cfg, summary)
+        try:
+            return record_run(cfg, summary)
+        finally:
+            self.trackers.finish(summary)

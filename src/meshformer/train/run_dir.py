@@ -34,6 +34,7 @@ from meshformer.checkpoint import store
 from meshformer.checkpoint.manifest import verify
 from meshformer.errors import UserError
 from meshformer.observe.journal import SUMMARY
+from meshformer.observe.trackers import IDS_FILE
 
 LOCK = ".lock"
 RESTART_WAIT_S = 90  # how long a restarted attempt waits for its previous attempt's rank 0 to let go
@@ -287,11 +288,11 @@ def set_aside_line(ckpt: Path, why: str) -> str:
 
 def own_files(out: Path, tensorboard_dir: str = "") -> list[str]:
     """What an earlier run wrote into `out`, relative to it: checkpoint/step_N directories, metrics.jsonl,
-    memory.json, run_summary.json, the profiler's files, and TensorBoard event files when tensorboard_dir lies
-    inside `out`. Nothing else there is meshformer's (a user's notes, a file inside checkpoint/), so a
-    replacing run leaves it in place."""
+    memory.json, run_summary.json, trackers.json (the trackers' run ids), the profiler's files, and TensorBoard
+    event files when tensorboard_dir lies inside `out`. Nothing else there is meshformer's (a user's notes, a file
+    inside checkpoint/), so a replacing run leaves it in place."""
     rels = [c.relative_to(out).as_posix() for c in store.list_checkpoints(out)]
-    rels += [name for name in ("metrics.jsonl", "memory.json", SUMMARY) if (out / name).is_file()]
+    rels += [name for name in ("metrics.jsonl", "memory.json", SUMMARY, IDS_FILE) if (out / name).is_file()]
     for pattern in PROFILE_FILES:
         rels += sorted(p.relative_to(out).as_posix() for p in (out / "profile").glob(pattern) if p.is_file())
     if tensorboard_dir:

@@ -3,10 +3,11 @@
 The record (metrics.jsonl, train/metrics.py) holds the loss, the learning rate, the gradient norm, throughput and
 MFU, the step time by phase (observe/timing.py), the memory breakdown (train/memory.py, whose meter is one of the
 step's hooks), the run's skip and rollback counts and each auxiliary loss as `aux_loss/<name>`. The same record
-feeds TensorBoard, the profiler window and the journal line (observe/run.py, every numeric field a scalar) and the
-console's line every `per_print_times` steps. The hooks' `step_metrics` (train/hooks.py) join the record: an MoE
-model's `moe/imbalance/layerN`, `moe/dropped/layerN` and `moe/imbalance_max` (train/moe_balance.py). Nothing here
-is resumed: a resumed run's metrics.jsonl is cut back to the checkpoint's step, and the rest is counted again.
+feeds the experiment trackers (TensorBoard, W&B, MLflow, SwanLab: `report_to`, every numeric field a scalar), the
+profiler window and the journal line (observe/run.py) and the console's line every `per_print_times` steps. The
+hooks' `step_metrics` (train/hooks.py) join the record: an MoE model's `moe/imbalance/layerN`, `moe/dropped/layerN`
+and `moe/imbalance_max` (train/moe_balance.py). Nothing here is resumed: a resumed run's metrics.jsonl is cut back
+to the checkpoint's step, and the rest is counted again.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ class RunMetrics:
         n_params, n_trainable, _ = counts
         self.total_steps = total_steps
         self.log = M.MetricsLog(self.out, env.is_metrics_rank, self.resume_step)
-        self.observers = RunObservers(cfg, env, self.out, self.console.log)
+        self.observers = RunObservers(cfg, env, self.out, self.console.log, resuming=self.resume_step is not None)
         mc = cfg.model.model_config
         self.peak, peak_src = peak_flops(env.device, DTYPE[mc.compute_dtype], cfg.monitor_config.peak_flops)
         self.fpt = family_of(mc).flops_per_token(mc)
