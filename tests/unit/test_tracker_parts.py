@@ -115,3 +115,13 @@ def test_a_hung_tracker_never_holds_up_the_caller():
     t.join(0.05)
     gate.set()
     assert len(said) == 1 and f"fell {tracker_thread.MAX_BEHIND} metrics rows behind" in said[0], said
+
+
+def test_only_the_metrics_rank_opens_trackers(tmp_path):
+    from meshformer.observe.trackers import Trackers
+
+    cfg = load_config(EMPTY, ["--report_to", "all", "--tensorboard.tensorboard_dir", str(tmp_path / "tb")])
+    other_rank = Trackers(cfg, False, tmp_path, resuming=False, log=print)
+    other_rank.write({"step": 1, "loss": 1.0})
+    other_rank.finish(None)
+    assert other_rank.threads == [] and list(tmp_path.iterdir()) == []
