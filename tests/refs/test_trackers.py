@@ -90,6 +90,25 @@ def test_a_tracker_that_fails_is_one_warning_and_changes_nothing(tiny_dataset, t
     assert printed.count("warning: tracker") == 3, printed
 
 
+class _FailsAtStep3:
+    """A training hook that ends the run with an error at step 3."""
+
+    def before_optimizer_step(self, step):
+        if step == 3:
+            raise RuntimeError("a fault at step 3")
+
+
+def test_a_run_that_fails_marks_its_tracker_run_failed(tiny_dataset, tmp_path, offline):
+    out = tmp_path / "run"
+    cfg = load_config(None, tiny_overrides(tiny_dataset, out, {"runner_config.stop_step": 5, "report_to": "mlflow"}))
+    with pytest.raises(RuntimeError, match="a fault at step 3"):
+        run_training(cfg, hooks=[_FailsAtStep3()])
+    run_id = json.loads((out / "trackers.json").read_text())["mlflow"]
+    run = _mlflow(out).get_run(run_id)
+    assert run.info.status == "FAILED"
+    assert [m.step for m in _mlflow(out).get_metric_history(run_id, "loss")] == [1, 2]
+
+
 # ---- reading each tracker's own files ---------------------------------------------------------------------------
 
 

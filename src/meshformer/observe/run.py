@@ -50,6 +50,10 @@ class RunObservers:
     def close(self) -> None:
         self.profiler.close()
 
+    def abandon(self) -> None:
+        """The run failed: the trackers mark their runs failed."""
+        self.trackers.abandon()
+
     def finish(self, cfg, dims, global_batch: int) -> Path | None:
         """Write run_summary.json and the journal line (metrics rank), hand the summary to the trackers and let
         them finish; returns the journal's path."""

@@ -41,4 +41,4 @@ class SwanlabTracker:
 
     def abandon(self) -> None:
         if self.run is not None:
-            self.run.finish()
+            self.run.finish(state="crashed")

@@ -35,6 +35,11 @@ class TrackerThread:
         self._put(("finish", summary))
         self._put(_STOP)
 
+    def abandon(self) -> None:
+        """The run failed: mark the tracker's run failed (what it was given before stays)."""
+        self._put(("abandon",))
+        self._put(_STOP)
+
     def join(self, timeout: float) -> None:
         start = time.monotonic()
         self.thread.join(timeout)
@@ -63,8 +68,10 @@ class TrackerThread:
                     continue
                 if call[0] == "log":
                     tracker.log(call[1], call[2])
-                else:
+                elif call[0] == "finish":
                     tracker.finish(call[1])
+                else:
+                    tracker.abandon()
         except BaseException as e:  # noqa: BLE001 (a tracker's failure of any kind must not reach training)
             self._warn(f"failed ({type(e).__name__}: {_first_line(e)}); it is off for the rest of this run")
             if tracker is not None:

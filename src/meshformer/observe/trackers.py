@@ -119,6 +119,15 @@ class Trackers:
         seconds in all, for them to write what they were given."""
         for t in self.threads:
             t.finish(summary)
+        self._join()
+
+    def abandon(self) -> None:
+        """The run failed: each tracker marks its run failed; waits as finish does."""
+        for t in self.threads:
+            t.abandon()
+        self._join()
+
+    def _join(self) -> None:
         deadline = time.monotonic() + self.finish_timeout
         for t in self.threads:
             t.join(max(0.0, deadline - time.monotonic()))

@@ -121,6 +121,11 @@ class RunMetrics:
                 f"(step {self.last['step']}); metrics in {self.out / 'metrics.jsonl'}"
             )
 
+    def abandon(self) -> None:
+        """The run failed: the trackers' runs are marked failed (a no-op before the observers opened)."""
+        if hasattr(self, "observers"):
+            self.observers.abandon()
+
     def finish(self) -> None:
         """run_summary.json and the journal line (metrics rank)."""
         where = self.observers.finish(self.cfg, self.env.dims, self.plan.global_batch)

@@ -339,6 +339,8 @@ def run_training(
         raise RunFailed(why) from None
     finally:
         if trainer is not None:
+            if not ok:
+                trainer.metrics.abandon()  # the trackers' runs end as failed, not left running
             trainer.saver.close()
             trainer.data.close()  # the prefetching threads
             trainer.run_dir.unlock()
