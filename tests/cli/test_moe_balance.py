@@ -207,7 +207,7 @@ def test_trainer_logs_moe_metrics_plots_them_and_resumes_the_bias_exactly(tiny_d
     for key in ("aux_loss/moe_sequence", "moe/imbalance/layer0", "moe/imbalance/layer1", "moe/imbalance_max"):
         assert all(key in r for r in full), key
     assert all(r["moe/imbalance_max"] >= 1.0 and 0 <= r["moe/dropped/layer1"] < 1 for r in full)
-    assert any(r["moe/dropped"] > 0 for r in full)  # capacity 1.0 drops some pairs of a random router
+    assert any(r["moe/dropped_mean"] > 0 for r in full)  # capacity 1.0 drops some pairs of a random router
     titles = {title: keys for title, keys, _ in drawn_panels(full)}
     assert "moe/imbalance/layer1" in titles["MoE load imbalance (max/mean tokens per expert)"]
     assert "aux_loss/moe_sequence" in titles["auxiliary losses"]

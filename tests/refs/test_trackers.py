@@ -1,5 +1,6 @@
 """Experiment trackers (report_to) against their own files: W&B offline (its .wandb records), MLflow's file store
-(MlflowClient), SwanLab offline (its own record reader) and TensorBoard hold every metrics.jsonl value step for step;
+(MlflowClient), SwanLab offline (its own record reader) and TensorBoard hold every metrics.jsonl value step for step
+(train, eval and MoE fields);
 a resumed run continues the same tracker runs; a tracker that fails is one warning and changes nothing else."""
 
 from __future__ import annotations
@@ -19,6 +20,13 @@ pytest.importorskip("mlflow")
 pytest.importorskip("swanlab")
 
 OFFLINE = {"WANDB_MODE": "offline", "SWANLAB_MODE": "offline"}
+# A tiny MoE model, so the rows hold the MoE fields too (aux_loss/..., moe/imbalance/layerN, moe/dropped/layerN).
+MOE = "model.model_config.moe_config."
+TINY_MOE = {
+    "model.model_config.type": "Qwen3MoeConfig", MOE + "expert_num": 4, MOE + "num_experts_chosen": 2,
+    MOE + "moe_intermediate_size": 16, MOE + "aux_loss_types": "[sequence]", MOE + "aux_loss_factors": "[0.01]",
+    MOE + "capacity_factor": 1.0,
+}  # fmt: skip
 
 
 @pytest.fixture
@@ -43,11 +51,18 @@ def test_each_tracker_holds_metrics_jsonl_step_for_step_and_a_resume_continues_i
     out = tmp_path / "run"
     common = {"report_to": "[wandb, mlflow, swanlab, tensorboard]", "tensorboard.tensorboard_dir": str(out / "tb")}
     common |= {"eval_config.eval_interval": 2, "tracker_config.project": "trackers-test", "run_name": "tiny"}
-    first = train(tiny_dataset, out, {**common, "runner_config.stop_step": 4})
+    first = train(tiny_dataset, out, {**TINY_MOE, **common, "runner_config.stop_step": 4})
     ids = json.loads((out / "trackers.json").read_text())
     assert sorted(ids) == ["mlflow", "swanlab", "wandb"]
-    assert charted(first)[4]["eval_loss"] > 0  # eval rows travel with the train fields
-    rows = train(tiny_dataset, out, {**common, "runner_config.stop_step": 6, "resume_training": True})
+    fields = set(charted(first)[4])  # eval and MoE fields travel with the train fields
+    assert {
+        "eval_loss",
+        "aux_loss/moe_sequence",
+        "moe/imbalance/layer1",
+        "moe/dropped/layer0",
+        "moe/dropped_mean",
+    } <= fields
+    rows = train(tiny_dataset, out, {**TINY_MOE, **common, "runner_config.stop_step": 6, "resume_training": True})
     assert json.loads((out / "trackers.json").read_text()) == ids  # the same tracker runs, continued
     want = charted(rows)
     assert sorted(want) == [1, 2, 3, 4, 5, 6]

@@ -20,7 +20,7 @@ PANELS = (  # (title, metrics.jsonl keys drawn in it, scale)
 OPTIONAL_PANELS = (
     ("auxiliary losses", ("aux_loss/",), 1.0),
     ("MoE load imbalance (max/mean tokens per expert)", ("moe/imbalance_max", "moe/imbalance/"), 1.0),
-    ("MoE dropped fraction", ("moe/dropped", "moe/dropped/"), 1.0),
+    ("MoE dropped fraction", ("moe/dropped_mean", "moe/dropped/"), 1.0),
 )
 
 

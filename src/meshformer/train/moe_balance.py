@@ -20,7 +20,7 @@ checkpoints carry it.
 
 Metrics (`step_metrics`): `moe/imbalance/layerN` (max / mean tokens per expert of the step, all ranks), with
 capacity `moe/dropped/layerN` (fraction of (token, choice) pairs dropped), and the summaries `moe/imbalance_max`
-and `moe/dropped`. Pipeline stages sum their layers' figures over "pp" so the metrics rank has every layer.
+and `moe/dropped_mean`. Pipeline stages sum their layers' figures over "pp" so the metrics rank has every layer.
 """
 
 from __future__ import annotations
@@ -119,7 +119,8 @@ class MoeBalanceHook(TrainHook):
         out["moe/imbalance_max"] = max(fig[i][0] for i in layers)
         if self.capacity:
             out |= {f"moe/dropped/layer{i}": fig[i][1] for i in layers}
-            out["moe/dropped"] = sum(fig[i][1] for i in layers) / len(layers)
+            # not `moe/dropped`: a name that is also the folder of others breaks MLflow's file store (a file per path)
+            out["moe/dropped_mean"] = sum(fig[i][1] for i in layers) / len(layers)
         return out
 
 
