@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 
+from meshformer.config.distill_schema import check_distill
 from meshformer.config.preference_schema import check_preference
 from meshformer.config.scale_sense import scale_sense
 from meshformer.config.schema import MeshformerConfig, ModelConfig
@@ -71,6 +72,7 @@ def validate_config(cfg: MeshformerConfig) -> None:
     check_swap(cfg)
     check_compile(cfg)
     check_preference(cfg)
+    check_distill(cfg)
     if cfg.profile and cfg.profile_stop_step < cfg.profile_start_step:
         raise UserError(
             f"profile_stop_step={cfg.profile_stop_step} is before profile_start_step={cfg.profile_start_step}: "
