@@ -71,13 +71,25 @@ def teacher_support(teacher_logits: torch.Tensor, top_k: int) -> torch.Tensor:
     offers = _local_topk_candidates(local, top_k)
     gathered = DTensor.from_local(offers, mesh, placements, run_check=False).full_tensor()
     threshold = gathered.topk(top_k, dim=-1).values[..., -1:]
-    return DTensor.from_local(local >= threshold, mesh, placements, run_check=False)
+    shape, stride = teacher_logits.shape, teacher_logits.stride()  # an uneven vocabulary split keeps its shape
+    return DTensor.from_local(local >= threshold, mesh, placements, run_check=False, shape=shape, stride=stride)
 
 
 def _restrict(z: torch.Tensor, support: torch.Tensor | None) -> torch.Tensor:
     if support is None:
         return z
     return torch.where(support, z, torch.full_like(z, OUTSIDE_SUPPORT))
+
+
+def _log_softmax(z: torch.Tensor) -> torch.Tensor:
+    """log_softmax over the last dimension. On a vocab-sharded DTensor it is written out: the max and the sum of
+    exponentials are reduced over the tp group ([tokens, 1] each) and the rest stays on the shards. loss_parallel's
+    own log_softmax is not used: its backward passes the gradient through unchanged, right only when nll_loss follows
+    (cross-entropy), not for a divergence."""
+    if not isinstance(z, DTensor):
+        return F.log_softmax(z, dim=-1)
+    shifted = z - z.detach().amax(-1, keepdim=True)
+    return shifted - shifted.exp().sum(-1, keepdim=True).log()
 
 
 def token_divergence(
@@ -94,8 +106,8 @@ def token_divergence(
     zs = student_logits.to(dtype) / temperature
     zt = teacher_logits.detach().to(dtype) / temperature
     support = teacher_support(zt, top_k) if top_k is not None else None
-    log_ps = F.log_softmax(_restrict(zs, support), dim=-1)
-    log_pt = F.log_softmax(_restrict(zt, support), dim=-1)
+    log_ps = _log_softmax(_restrict(zs, support))
+    log_pt = _log_softmax(_restrict(zt, support))
     if loss == "forward_kl":
         terms = log_pt.exp() * (log_pt - log_ps)
     elif loss == "reverse_kl":
