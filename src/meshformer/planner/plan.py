@@ -13,6 +13,8 @@ On top of planner/memory.py's model states and saved activations, a rank's peak 
   runtime       what the framework takes before any tensor (CUDA context, one communicator per parallel
                 dimension, cuBLAS/attention workspaces), per accelerator (planner/accelerators.py)
   reserved      the caching allocator keeps ~10% more than it hands out (fragmentation)
+  second model  post-training's frozen reference or teacher (planner/second_model.py): its weights resident, a
+                teacher's logits beside the student's; a preference pair is two rows of the micro-batch
 Gradients are freed after every step (zero_grad(set_to_none)), so a step of one micro-batch peaks before any
 exists; accumulation and pipeline schedules run later micro-batches' forwards with them. Peak allocated =
 parameters + optimizer states + max(activations + FSDP + max(logits, recompute) [+ gradients when accumulating or
