@@ -93,6 +93,13 @@ def test_a_teacher_adds_its_weights_and_its_logits(tmp_path):
     assert s.second.logits_bytes == 2 * SEQ * VOCAB * (4 + 8)
     assert s.logits_bytes == plain.logits_bytes + s.second.logits_bytes
     assert s.allocated_bytes - plain.allocated_bytes == s.second.weights_bytes + s.second.logits_bytes
+    # tensor parallelism splits the teacher as the student: its logits by vocabulary, its weights about in half
+    argv = [x for k, v in {**TINY, "distill_config.teacher": teacher, "parallel_config.model_parallel": 2}.items()
+            for x in (f"--{k}", str(v))]  # fmt: skip
+    cfg = load_config(None, argv)
+    tp2 = make_plan(cfg, ParallelDims.from_config(cfg, 2), ACCELERATORS["H100"], 2, 1).stages[0].second
+    assert tp2.logits_bytes == s.second.logits_bytes // 2
+    assert s.second.weights_bytes / 2 < tp2.weights_bytes < 0.51 * s.second.weights_bytes  # norms replicated
 
 
 def test_doctor_says_which_reference_makes_a_run_fit(capsys):
