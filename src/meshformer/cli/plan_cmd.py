@@ -149,6 +149,7 @@ def print_plan(plan) -> None:
             f"all-to-all {c['ep'] / 1e9:.2f} GB per rank and step, buffers {m['a2a_buffer_bytes'] / GIB:.2f} GiB",
             soft_wrap=True,
         )
+    _print_second_model(console, plan, d)
     verdict = "[green]fits[/green]" if d["fits"] else "[red]does not fit[/red]"
     console.print(
         f"predicted: {d['step_time_s']:.3f} s/step, {d['tokens_per_s']:,.0f} tokens/s "
@@ -156,6 +157,24 @@ def print_plan(plan) -> None:
         f"MFU {d['mfu']:.1%}; {verdict}",
         soft_wrap=True,
     )
+
+
+def _print_second_model(console, plan, d: dict) -> None:
+    """A post-training run's reference or teacher (planner/second_model.py), and which reference would fit."""
+    from meshformer.planner.doctor import reference_findings
+
+    second = d["stages"][-1]["second_model"]
+    weights = max(s["second_model"]["weights_bytes"] for s in d["stages"])
+    parts = [f"frozen weights {weights / GIB:.2f} GiB per rank (in allocated)"] if weights else []
+    if second["logits_bytes"]:
+        parts.append(f"its logits {second['logits_bytes'] / GIB:.2f} GiB (in the logits column)")
+    if second["kind"] == "reference: precomputed":
+        disk = second["disk_bytes"]
+        parts.append(f"{disk / GIB:.2f} GiB on disk" if disk is not None else "8 bytes a pair on disk")
+    if second["kind"]:
+        console.print(f"{second['kind']}: {', '.join(parts) or 'nothing on the device'}", soft_wrap=True)
+    for line in reference_findings(plan):
+        console.print(f"[yellow]{line}[/yellow]", soft_wrap=True)
 
 
 def print_search(plan, as_json: bool) -> int:

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from meshformer.config.data_schema import DatasetConfig, ProcessorConfig
+from meshformer.config.distill_schema import DistillConfig
 from meshformer.config.fields import field_default, is_dataclass_type, provenance, setting
 from meshformer.config.model_schema import ModelConfig, ModelSection
 from meshformer.config.preference_schema import PreferenceConfig
@@ -334,6 +335,9 @@ class MeshformerConfig:
     runner_wrapper: RunnerWrapperConfig = setting(RunnerWrapperConfig, "Gradient clipping (MindSpore's step wrapper).")
     preference_config: PreferenceConfig = setting(
         PreferenceConfig, "Preference post-training (DPO, KTO, ORPO, SimPO) on preprocessed preference data."
+    )
+    distill_config: DistillConfig = setting(
+        DistillConfig, "Logit distillation from a frozen teacher of the same vocabulary (TRL's divergences)."
     )
     callbacks: list = setting(
         [{"type": "MFLossMonitor"}, {"type": "CheckpointMonitor"}],

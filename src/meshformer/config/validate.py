@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 
+from meshformer.config.distill_schema import check_distill
 from meshformer.config.preference_schema import check_preference
 from meshformer.config.scale_sense import scale_sense
 from meshformer.config.schema import MeshformerConfig, ModelConfig
@@ -73,6 +74,7 @@ def validate_config(cfg: MeshformerConfig) -> None:
     check_compile(cfg)
     check_preference(cfg)
     cfg.report_to = report_to_names(cfg.report_to)  # one list of tracker names, whichever spelling
+    check_distill(cfg)
     if cfg.profile and cfg.profile_stop_step < cfg.profile_start_step:
         raise UserError(
             f"profile_stop_step={cfg.profile_stop_step} is before profile_start_step={cfg.profile_start_step}: "

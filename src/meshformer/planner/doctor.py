@@ -1,8 +1,8 @@
 """`meshformer doctor`: the planner's figures turned into advice, most urgent first (docs/memory.md).
 
-1. Memory: if a stage does not fit, try the knobs cheapest first (micro batch, then recompute, then the
-   parallel degrees, optimizer sharding and CPU offload) on the planner and say what each saves and whether it
-   then fits.
+1. Memory: if a stage does not fit, try the knobs cheapest first (a preference run's reference off the device:
+   `adapter` with LoRA, `precomputed`; then micro batch, recompute, the parallel degrees, optimizer sharding and
+   CPU offload) on the planner and say what each saves and whether it then fits.
    Too many micro-batches in flight (GPipe keeps all of them, so halving micro_batch_num halves them) are
    caught the same way.
 2. Pipeline bubble over 10%: the micro_batch_num that brings it under.
@@ -24,6 +24,7 @@ import math
 from dataclasses import dataclass
 
 from meshformer.planner.plan import Plan, make_plan
+from meshformer.planner.second_model import reference_knobs
 
 GIB = 1 << 30
 
@@ -154,7 +155,7 @@ def memory_findings(plan: Plan) -> list[Finding]:
         f"{' (counted on the modules)' if m.activations_counted else ''} for {m.in_flight} "
         f"micro-batch(es) in flight). Knobs in the order to try them:"
     )
-    options = _batch_knobs(plan) + _state_knobs(plan)
+    options = reference_knobs(plan.cfg) + _batch_knobs(plan) + _state_knobs(plan)
     lines = []
     for text, change in options:
         alt = _variant(plan, **change)
@@ -348,6 +349,19 @@ def context_findings(plan: Plan) -> list[Finding]:
             f"step, where recompute repeats each layer's forward",
         )
     ]
+
+
+def reference_findings(plan: Plan) -> list[str]:
+    """A preference run with `reference: copy` that does not fit: which other reference makes it fit (`plan` prints
+    these; `doctor` lists them first among its memory knobs)."""
+    if plan.fits:
+        return []
+    lines = []
+    for text, change in reference_knobs(plan.cfg):
+        alt = _variant(plan, **change)
+        if alt is not None and alt.fits:
+            lines.append(f"fits with {text}: {_worst(alt) / GIB:.1f} GiB per rank")
+    return lines
 
 
 def diagnose(plan: Plan, target_samples_per_s: float | None = None) -> list[Finding]:

@@ -13,6 +13,8 @@ On top of planner/memory.py's model states and saved activations, a rank's peak 
   runtime       what the framework takes before any tensor (CUDA context, one communicator per parallel
                 dimension, cuBLAS/attention workspaces), per accelerator (planner/accelerators.py)
   reserved      the caching allocator keeps ~10% more than it hands out (fragmentation)
+  second model  post-training's frozen reference or teacher (planner/second_model.py): its weights resident, a
+                teacher's logits beside the student's; a preference pair is two rows of the micro-batch
 Gradients are freed after every step (zero_grad(set_to_none)), so a step of one micro-batch peaks before any
 exists; accumulation and pipeline schedules run later micro-batches' forwards with them. Peak allocated =
 parameters + optimizer states + max(activations + FSDP + max(logits, recompute) [+ gradients when accumulating or
@@ -36,6 +38,7 @@ from meshformer.planner.accelerators import Accelerator
 from meshformer.planner.context_parallel import local_config, with_context_parallel
 from meshformer.planner.experts import ExpertFigures, expert_figures
 from meshformer.planner.memory import StageMemory, plan_memory
+from meshformer.planner.second_model import SecondModel, rows_per_sample, second_model
 from meshformer.planner.throughput import Throughput, predict
 
 FRAGMENTATION = 0.10
@@ -51,10 +54,12 @@ class StagePlan:
     reserved_bytes: int
     headroom_bytes: int
     host_bytes: int = 0  # states (and the optimizer step) kept in host memory by cpu_offload
+    second: SecondModel = dataclasses.field(default_factory=lambda: SecondModel(""))  # reference or teacher
 
     def as_dict(self) -> dict:
         return {
             **self.memory.as_dict(),
+            "second_model": self.second.as_dict(),
             "logits_bytes": self.logits_bytes,
             "optimizer_step_bytes": self.optimizer_step_bytes,
             "fsdp_gathered_bytes": self.fsdp_gathered_bytes,
@@ -137,18 +142,21 @@ def make_plan(
     fused = cfg.optimizer.fused if cfg.optimizer.fused is not None else True  # train/optim.use_fused
     low = mc.compute_dtype != "float32"
     a = 2 if low else 4
-    T = micro_batch * mc.seq_length // dims.cp  # a context-parallel rank's tokens of its rows
+    rows = micro_batch * rows_per_sample(cfg)  # a preference pair is two rows of the micro-batch
+    T = rows * mc.seq_length // dims.cp  # a context-parallel rank's tokens of its rows
     stages = []
-    moe = expert_figures(cfg, dims, micro_batch, n_micro)
+    moe = expert_figures(cfg, dims, rows, n_micro)
     layer_params = _layer_param_count(mc)
     if moe is not None and dims.ep > 1:  # an MoE layer gathers only this rank's experts (efsdp), whole across tp
         routed = moe.routed_params // moe.moe_layers
         layer_params = (layer_params - routed) + routed * dims.tp // dims.ep
     a2a = moe.a2a_buffer_bytes if moe is not None else 0
-    for st in plan_memory(local_config(cfg), dims, micro_batch, n_micro):
-        st = with_context_parallel(st, cfg, dims, micro_batch)  # the gathered keys and values
+    for st in plan_memory(local_config(cfg), dims, rows, n_micro):
+        st = with_context_parallel(st, cfg, dims, rows)  # the gathered keys and values
         last = st.stage == dims.pp - 1 or (dims.pp > 1 and cfg.parallel_config.pipeline_schedule in _V)
         logits = (T * math.ceil(mc.vocab_size / dims.tp) * (a + (4 if low else 0))) if last else 0
+        second = second_model(cfg, dims, st.stage, T, last)
+        logits += second.logits_bytes  # the teacher's, alive with the student's for the loss
         offload = cfg.parallel_config.cpu_offload and acc.name != "cpu"
         step_tmp = 0 if fused else st.grads_bytes  # foreach: one more copy of what it updates
         gathered = 2 * layer_params // dims.tp * a if dims.dp_shard > 1 else 0
@@ -156,10 +164,10 @@ def make_plan(
         # cpu_offload: the shards, gradients and optimizer states (and the step) live in host memory
         host = (st.states_bytes + step_tmp if offload else 0) + st.swapped_bytes
         early = st.grads_bytes if n_micro > 1 or dims.pp > 1 else 0  # gradients alive at the activation peak
-        resident = st.params_bytes + st.optimizer_bytes
+        resident = st.params_bytes + st.optimizer_bytes + second.weights_bytes  # a frozen second model's weights
         allocated = working if offload else resident + max(working + early, st.grads_bytes + step_tmp)
         reserved = int(allocated * (1 + FRAGMENTATION) + acc.runtime(dims))
-        stages.append(StagePlan(st, logits, step_tmp, gathered, allocated, reserved, int(mem - reserved), host))
+        stages.append(StagePlan(st, logits, step_tmp, gathered, allocated, reserved, int(mem - reserved), host, second))
     swapped = max(st.memory.swapped_bytes for st in stages) * max(1, n_micro) / max(1, stages[0].memory.in_flight)
     throughput = predict(cfg, dims, acc, micro_batch, n_micro, nodes, swapped)
     return Plan(cfg, dims, acc, mem, nodes, micro_batch, n_micro, stages, throughput, moe)

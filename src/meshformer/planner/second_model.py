@@ -1,0 +1,166 @@
+"""The second model of a post-training run, as the planner counts it: the frozen reference of a preference run
+(preference_config.reference) or the distillation teacher (distill_config.teacher), and what the run's data doubles.
+
+  reference: copy         a frozen copy of the policy's starting weights, built and split as the policy is (same
+                          pipeline pieces, tensor-parallel plan and FSDP shards) in the stored dtype
+                          (param_init_type): the policy's parameter bytes again, no gradients, no optimizer states,
+                          no saved activations (its forward runs under no_grad).
+  reference: adapter      the policy with its LoRA adapters off: nothing more on the device.
+  reference: precomputed  nothing on the device; on disk, one float32 log-probability per sequence of the training
+                          split (a pair's chosen and rejected: 8 bytes a pair; KTO: 4 bytes an example and 4 for its
+                          KL partner), stored with the run.
+  reference: none         nothing (ORPO, SimPO).
+  teacher                 the teacher's weights, its own model built and split under the run's layout in
+                          param_init_type (no gradients or optimizer states), plus its logits on the last stage:
+                          per micro-batch, T x vocab / tp in the compute dtype (its output) and twice in float32
+                          (its log-probabilities and probabilities, kept for the student's backward through the
+                          divergence; train/distill_loss.py), for the one micro-batch whose loss is computed.
+Preference pairs put a pair's chosen and rejected in the same micro-batch: `train_dataset.batch_size` counts pairs,
+so activations and logits are those of twice the rows (`rows_per_sample`); KTO examples are one row each.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass
+
+from meshformer.config.schema import MeshformerConfig
+from meshformer.dtypes import DTYPE
+from meshformer.parallel.dims import ParallelDims
+
+PAIR_METHODS = ("dpo", "orpo", "simpo")
+LOGPROB_BYTES = 4  # one float32 log-probability per sequence
+
+
+@dataclass
+class SecondModel:
+    """One rank's share of the second model (the most loaded pipeline rank's where they differ)."""
+
+    kind: str  # "reference: copy", "reference: adapter", "reference: precomputed", "teacher" or "" (none)
+    weights_bytes: int = 0  # frozen weights on this rank's device
+    logits_bytes: int = 0  # the teacher's logits kept for the loss on the last stage (one micro-batch's)
+    disk_bytes: int | None = None  # precomputed reference log-probs on disk (None: the dataset's size is unknown)
+
+    def as_dict(self) -> dict:
+        return {
+            "kind": self.kind,
+            "weights_bytes": self.weights_bytes,
+            "logits_bytes": self.logits_bytes,
+            "disk_bytes": self.disk_bytes,
+        }
+
+
+def rows_per_sample(cfg: MeshformerConfig) -> int:
+    """Rows of a micro-batch per sample of train_dataset.batch_size: 2 for preference pairs, else 1."""
+    return 2 if cfg.preference_config.method in PAIR_METHODS else 1
+
+
+def reference_kind(cfg: MeshformerConfig) -> str:
+    """The preference reference as the run will use it ("" when the run is not a preference run)."""
+    pc = cfg.preference_config
+    return "" if pc.method == "none" else pc.reference_kind()
+
+
+def _element_size(name: str) -> int:
+    import torch
+
+    return torch.empty((), dtype=DTYPE[name]).element_size()
+
+
+def _teacher_model_config(teacher: str):
+    """The teacher's model config: a Hugging Face directory's config.json (the weights need not be there to plan),
+    else the meshformer checkpoint's config.yaml (train/finetune.py reads both for load_checkpoint)."""
+    import json
+    from pathlib import Path
+
+    config_json = Path(teacher) / "config.json"
+    if not config_json.is_file():
+        from meshformer.train.finetune import base_model_config
+
+        return base_model_config(teacher)
+    from meshformer.config.load import from_dict
+    from meshformer.config.model_schema import ModelConfig
+    from meshformer.interop.hf_config import model_config_from_hf
+
+    hf = json.loads(config_json.read_text(encoding="utf-8"))  # its vocab_size was read by the config's check
+    return from_dict(ModelConfig, model_config_from_hf(hf, str(config_json)), ("model", "model_config"), [])
+
+
+def teacher_config(cfg: MeshformerConfig) -> MeshformerConfig:
+    """The run's config with the teacher's model in place of the student's: its own shape (read from its
+    config.json or checkpoint config.yaml), the run's dtypes and sequence length, no LoRA (it is frozen whole)."""
+    student = cfg.model.model_config
+    teacher = _teacher_model_config(cfg.distill_config.teacher)
+    for name in ("param_init_type", "compute_dtype", "softmax_compute_dtype", "layernorm_compute_dtype", "seq_length"):
+        setattr(teacher, name, getattr(student, name))
+    teacher.pet_config = type(student.pet_config)()
+    out = copy.copy(cfg)
+    out.model = copy.copy(cfg.model)
+    out.model.model_config = teacher
+    return out
+
+
+def _precomputed_disk_bytes(cfg: MeshformerConfig) -> int | None:
+    import json
+    from pathlib import Path
+
+    directory = getattr(cfg.train_dataset.data_loader, "dataset_dir", "") or ""
+    meta_file = Path(directory) / "meta.json"
+    try:
+        meta = json.loads(meta_file.read_text(encoding="utf-8")) if directory else None
+        samples = meta["splits"]["train"]["samples"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if not isinstance(samples, int):
+        return None
+    return samples * 2 * LOGPROB_BYTES  # pairs: chosen and rejected; KTO: the example and its KL partner
+
+
+def second_model(cfg: MeshformerConfig, dims: ParallelDims, pp_rank: int, tokens: int, last: bool) -> SecondModel:
+    """The second model's bytes on one rank of pipeline rank `pp_rank`. tokens: of one micro-batch on this rank
+    (rows x seq_length / cp); last: the rank computes the loss (holds the last stage)."""
+    from meshformer.planner.memory import states_bytes
+
+    if cfg.distill_config.enabled:
+        tcfg = teacher_config(cfg)
+        weights = states_bytes(tcfg, dims, pp_rank)[0]
+        logits = 0
+        if last:
+            mc = tcfg.model.model_config
+            logits = tokens * math.ceil(mc.vocab_size / dims.tp) * (_element_size(mc.compute_dtype) + 2 * 4)
+        return SecondModel("teacher", weights, logits)
+    ref = reference_kind(cfg)
+    if ref == "copy":
+        return SecondModel("reference: copy", states_bytes(cfg, dims, pp_rank)[0])
+    if ref == "precomputed":
+        return SecondModel("reference: precomputed", disk_bytes=_precomputed_disk_bytes(cfg))
+    if ref == "adapter":
+        return SecondModel("reference: adapter")
+    return SecondModel("")
+
+
+def reference_knobs(cfg: MeshformerConfig) -> list[tuple[str, dict]]:
+    """What keeps a preference run's reference off the device, as (advice, config changes): `adapter` where LoRA is
+    on (the policy with its adapters off), `precomputed` always (log-probs computed once before training)."""
+    if reference_kind(cfg) != "copy":
+        return []
+    options = []
+    if cfg.model.model_config.pet_config.pet_type == "lora":
+        options.append(
+            (
+                "preference_config.reference: adapter (the reference is the policy with its LoRA adapters off: no "
+                "second copy of the weights)",
+                {"preference_config.reference": "adapter"},
+            )
+        )
+    disk = _precomputed_disk_bytes(cfg)
+    where = f"{disk / (1 << 20):.1f} MiB on disk" if disk is not None else f"{2 * LOGPROB_BYTES} bytes a pair on disk"
+    options.append(
+        (
+            f"preference_config.reference: precomputed (reference log-probs computed in one pass before training, "
+            f"{where}; no reference on the device)",
+            {"preference_config.reference": "precomputed"},
+        )
+    )
+    return options

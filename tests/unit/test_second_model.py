@@ -1,0 +1,132 @@
+"""The planner's second model (planner/second_model.py) against hand-computed byte counts: a preference run's
+reference (`copy`: the policy's weights again; `adapter`, `precomputed`, `none`: nothing on the device;
+`precomputed`: 8 bytes a pair on disk), the doubled rows of a pair, and a distillation teacher's weights and logits;
+then `doctor` and `plan` saying which reference makes a run fit."""
+
+from __future__ import annotations
+
+import json
+
+from conftest import ROOT
+from meshformer.cli.main import main
+from meshformer.config import load_config
+from meshformer.parallel.dims import ParallelDims
+from meshformer.planner.accelerators import ACCELERATORS
+from meshformer.planner.doctor import reference_findings
+from meshformer.planner.plan import make_plan
+
+H, LAYERS, FFN, VOCAB, SEQ = 64, 2, 128, 128, 32
+TINY = {
+    "model.model_config.hidden_size": H, "model.model_config.num_layers": LAYERS, "model.model_config.num_heads": 4,
+    "model.model_config.n_kv_heads": 4, "model.model_config.intermediate_size": FFN,
+    "model.model_config.vocab_size": VOCAB, "model.model_config.seq_length": SEQ,
+}  # fmt: skip
+
+
+def _llama_params(h: int, layers: int, ffn: int, vocab: int) -> int:
+    """Untied Llama with full-width k/v: embedding, per layer q/k/v/o + gate/up/down + two norms, final norm, head."""
+    return vocab * h + layers * (4 * h * h + 3 * h * ffn + 2 * h) + h + vocab * h
+
+
+def _plan(extra: dict, micro_batch: int = 2, device_memory: float | None = None):
+    argv = [x for k, v in {**TINY, **extra}.items() for x in (f"--{k}", str(v))]
+    cfg = load_config(None, argv)
+    dims = ParallelDims.from_config(cfg, 1)
+    return make_plan(cfg, dims, ACCELERATORS["H100"], micro_batch, 1, device_memory=device_memory)
+
+
+DPO = {"preference_config.method": "dpo"}
+
+
+def test_reference_copy_is_the_policys_weights_again_and_the_others_are_free():
+    weights = _llama_params(H, LAYERS, FFN, VOCAB) * 4  # float32
+    plans = {ref: _plan({**DPO, "preference_config.reference": ref}) for ref in ("copy", "precomputed")}
+    plans["none"] = _plan({"preference_config.method": "simpo"})
+    copy = plans["copy"].stages[0]
+    assert copy.second.kind == "reference: copy" and copy.second.weights_bytes == weights == copy.memory.params_bytes
+    for ref in ("precomputed", "none"):
+        s = plans[ref].stages[0]
+        assert s.second.weights_bytes == 0 and s.second.logits_bytes == 0
+        assert copy.allocated_bytes - s.allocated_bytes == weights, ref  # the only difference
+    lora = {"model.model_config.pet_config.pet_type": "lora"}
+    adapter = _plan({**DPO, **lora, "preference_config.reference": "adapter"}).stages[0]
+    lora_copy = _plan({**DPO, **lora, "preference_config.reference": "copy"}).stages[0]
+    assert adapter.second.weights_bytes == 0
+    assert lora_copy.allocated_bytes - adapter.allocated_bytes == lora_copy.memory.params_bytes
+
+
+def test_a_pair_is_two_rows_of_the_micro_batch():
+    """batch_size counts pairs: a DPO micro-batch of 2 pairs is planned as 4 SFT rows, its logits twice 2 rows'."""
+    dpo = _plan({**DPO, "preference_config.reference": "precomputed"}, micro_batch=2).stages[0]
+    sft4 = _plan({}, micro_batch=4).stages[0]
+    sft2 = _plan({}, micro_batch=2).stages[0]
+    assert dpo.memory.activations_bytes == sft4.memory.activations_bytes > sft2.memory.activations_bytes
+    assert dpo.logits_bytes == sft4.logits_bytes == 4 * SEQ * VOCAB * 4  # rows x seq x vocab x float32
+    kto = _plan({"preference_config.method": "kto", "preference_config.loss_type": "kto"}, micro_batch=2).stages[0]
+    assert kto.logits_bytes == sft2.logits_bytes  # KTO examples are one row each
+
+
+def test_precomputed_reference_costs_eight_bytes_a_pair_on_disk(tmp_path):
+    d = tmp_path / "pairs"
+    d.mkdir()
+    meta = {"format": "meshformer-preference-v1", "kind": "pairs", "splits": {"train": {"samples": 1000}}}
+    (d / "meta.json").write_text(json.dumps(meta))
+    s = _plan({**DPO, "preference_config.reference": "precomputed", "train_dataset.data_loader.dataset_dir": d})
+    assert s.stages[0].second.disk_bytes == 1000 * 2 * 4
+    assert _plan({**DPO, "preference_config.reference": "precomputed"}).stages[0].second.disk_bytes is None
+
+
+def test_a_teacher_adds_its_weights_and_its_logits(tmp_path):
+    teacher = tmp_path / "teacher"
+    teacher.mkdir()
+    th, tl, tf = 96, 3, 160
+    (teacher / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": VOCAB, "hidden_size": th,
+        "num_hidden_layers": tl, "num_attention_heads": 4, "num_key_value_heads": 4, "intermediate_size": tf,
+        "max_position_embeddings": 64, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
+    }))  # fmt: skip
+    plain = _plan({}, micro_batch=2).stages[0]
+    s = _plan({"distill_config.teacher": teacher, "distill_config.loss": "jsd"}, micro_batch=2).stages[0]
+    assert s.second.kind == "teacher"
+    assert s.second.weights_bytes == _llama_params(th, tl, tf, VOCAB) * 4
+    # its float32 output, then its log-probabilities and probabilities (float32) for the divergence
+    assert s.second.logits_bytes == 2 * SEQ * VOCAB * (4 + 8)
+    assert s.logits_bytes == plain.logits_bytes + s.second.logits_bytes
+    assert s.allocated_bytes - plain.allocated_bytes == s.second.weights_bytes + s.second.logits_bytes
+    # tensor parallelism splits the teacher as the student: its logits by vocabulary, its weights about in half
+    argv = [x for k, v in {**TINY, "distill_config.teacher": teacher, "parallel_config.model_parallel": 2}.items()
+            for x in (f"--{k}", str(v))]  # fmt: skip
+    cfg = load_config(None, argv)
+    tp2 = make_plan(cfg, ParallelDims.from_config(cfg, 2), ACCELERATORS["H100"], 2, 1).stages[0].second
+    assert tp2.logits_bytes == s.second.logits_bytes // 2
+    assert s.second.weights_bytes / 2 < tp2.weights_bytes < 0.51 * s.second.weights_bytes  # norms replicated
+
+
+def test_doctor_says_which_reference_makes_a_run_fit(capsys):
+    lora = {"model.model_config.pet_config.pet_type": "lora"}
+    copy = _plan({**DPO, **lora}, micro_batch=2)
+    adapter = _plan({**DPO, **lora, "preference_config.reference": "adapter"}, micro_batch=2)
+    between = (copy.stages[0].reserved_bytes + adapter.stages[0].reserved_bytes) / 2
+    tight = _plan({**DPO, **lora}, micro_batch=2, device_memory=between)
+    assert not tight.fits
+    lines = reference_findings(tight)
+    assert [line.split(" (")[0] for line in lines] == [
+        "fits with preference_config.reference: adapter",
+        "fits with preference_config.reference: precomputed",
+    ]
+    # the CLI: the seed config as a LoRA DPO run on a device that holds it with `adapter` but not with `copy`
+    seed = str(ROOT / "configs" / "seed_pretrain_skeleton.yaml")
+    argv = [seed, "--device-memory", "66", "--model.model_config.compute_dtype", "bfloat16",
+            "--preference_config.method", "dpo", "--model.model_config.pet_config.pet_type", "lora"]  # fmt: skip
+    capsys.readouterr()
+    assert main(["doctor", *argv]) == 1
+    out = " ".join(capsys.readouterr().out.split())
+    assert "reference: copy: frozen weights 6.29 GiB per rank" in out
+    knobs = out[out.index("out of memory") :]
+    assert "- preference_config.reference: adapter (the reference is the policy with its LoRA adapters off: no " \
+           "second copy of the weights): saves 6.9 GiB -> 57.8 GiB, fits" in knobs  # fmt: skip
+    assert knobs.index("reference: adapter") < knobs.index("reference: precomputed") < knobs.index("batch_size")
+    assert main(["plan", *argv]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "fits with preference_config.reference: adapter" in out
+    assert "fits with preference_config.reference: precomputed" in out
