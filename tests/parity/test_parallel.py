@@ -63,6 +63,8 @@ WORLD2 = [
     "dp2_rc_accum:compiled",
     "fsdp2:compiled",
     "pp2_1f1b:compiled",
+    "tp2:compiled",  # compiled decoder layers on DTensor weights; the vocab-parallel loss stays eager
+    "tp2_sp_accum:compiled",
     # Mistral: the sliding window (SEQ // 4 keys) under tensor (and sequence) parallelism, a pipeline, FSDP
     "tp2:mistral",
     "tp2_sp_accum:mistral",
