@@ -106,6 +106,7 @@ WORLD4 = [
     "dp2xtp2:lora",
     "dp2xtp2:packed",
     "dp2xpp2:compiled",
+    "fsdp2xtp2_sp_rc:compiled",
 ]
 WORLD8 = ["dp2xtp2xpp2", "dp2xtp2xpp2_rc_accum", "dp2xtp2xpp2_sel", "fsdp2xtp2xpp2_sp_rc"]
 TWO_NODES = ["dp2xtp2", "fsdp2xpp2", "hsdp2x2_rc"]
