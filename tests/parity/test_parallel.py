@@ -63,6 +63,8 @@ WORLD2 = [
     "dp2_rc_accum:compiled",
     "fsdp2:compiled",
     "pp2_1f1b:compiled",
+    "tp2:compiled",  # compiled decoder layers on DTensor weights; the vocab-parallel loss stays eager
+    "tp2_sp_accum:compiled",
     # Mistral: the sliding window (SEQ // 4 keys) under tensor (and sequence) parallelism, a pipeline, FSDP
     "tp2:mistral",
     "tp2_sp_accum:mistral",
@@ -104,12 +106,15 @@ WORLD4 = [
     "dp2xtp2:lora",
     "dp2xtp2:packed",
     "dp2xpp2:compiled",
+    "fsdp2xtp2_sp_rc:compiled",
 ]
-WORLD8 = ["dp2xtp2xpp2", "dp2xtp2xpp2_rc_accum", "dp2xtp2xpp2_sel", "fsdp2xtp2xpp2_sp_rc"]
+WORLD8 = ["dp2xtp2xpp2", "dp2xtp2xpp2_rc_accum", "dp2xtp2xpp2_sel", "fsdp2xtp2xpp2_sp_rc", "dp2xtp2xpp2:compiled"]
 TWO_NODES = ["dp2xtp2", "fsdp2xpp2", "hsdp2x2_rc"]
 
 
-def _launch(nproc: int, specs: list[str], out: Path, timeout: int = 400) -> dict:
+# A hang guard, not a timing: each compiled layout compiles its own graphs (Inductor's C++), which on a shared 2-core
+# machine can take minutes per launch.
+def _launch(nproc: int, specs: list[str], out: Path, timeout: int = 900) -> dict:
     cmd = [*TORCHRUN, "--standalone", "--nproc-per-node", str(nproc), str(DIST / "parity_worker.py"), str(out), *specs]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=torchrun_env(), cwd=ROOT)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]

@@ -44,7 +44,6 @@ def _cfg(**over):
         (["--swap_config.layer_swap", "[{layers: true, prefetch: 2}]"], "layer_swap[0]="),
         (["--swap_config.layer_swap", "[{layers: true, backward_prefetch: 0}]"], "backward_prefetch=0"),
         (["--swap_config.swap", "true", "--compile", "true"], "compile: true with swap_config.swap"),
-        (["--parallel_config.model_parallel", "2", "--compile", "true"], "compile: true with model_parallel > 1"),
     ],
 )
 def test_bad_swap_or_compile_config_is_one_line(capsys, extra, needle):

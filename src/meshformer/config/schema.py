@@ -314,8 +314,9 @@ class MeshformerConfig:
     swap_config: SwapConfig = setting(SwapConfig, "Activation swap to host memory (GPU runs).")
     compile: bool | str = setting(
         "auto",
-        "torch.compile each decoder layer and the loss (Inductor); auto: on GPUs without tensor parallelism or swap, "
-        "and on CPUs for runs of at least 100 TFLOP per process (where compiling pays for itself).",
+        "torch.compile each decoder layer and the loss (the loss not under tensor parallelism; Inductor); auto: on "
+        "GPUs without tensor parallelism or swap, and on CPUs for runs of at least 100 TFLOP per process (where "
+        "compiling pays for itself).",
         choices=(True, False, "auto"),
     )
     cpu_matmul: str = setting(

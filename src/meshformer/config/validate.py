@@ -130,16 +130,10 @@ def check_compile(cfg: MeshformerConfig) -> None:
     """compile: the layouts where per-layer torch.compile is not proven are refused, each with its reason."""
     if cfg.compile is not True:  # auto decides per device and layout (parallelize.compile_decision)
         return
-    pc = cfg.parallel_config
     if cfg.swap_config.swap:
         raise UserError(
             "compile: true with swap_config.swap: the swap's saved-tensor hooks cannot run inside a compiled layer: "
             "choose one"
-        )
-    if pc.model_parallel > 1:
-        raise UserError(
-            "compile: true with model_parallel > 1: per-layer compile of tensor-parallel (DTensor) layers fails in "
-            "backward on torch 2.13 ('Tensor' object has no attribute '_local_tensor'): set compile: false"
         )
 
 

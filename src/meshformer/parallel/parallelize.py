@@ -40,14 +40,14 @@ CPU_COMPILE_MIN_FLOPS = 1e14
 
 def compile_decision(cfg: MeshformerConfig, env: ParallelEnv, run_flops: float | None = None) -> tuple[bool, str]:
     """(compile?, why) for `compile`: true and false are obeyed; auto compiles where it is proven and pays: not with
-    tensor parallelism (DTensor layers fail in backward when compiled on torch 2.13), activation swap (its hooks
-    cannot run in a compiled layer) or expert parallelism; on a GPU always, on a CPU when a C++ compiler is found and
-    the run's work per process (`run_flops`, the trainer's steps x tokens x FLOPs per token / processes) reaches
-    CPU_COMPILE_MIN_FLOPS."""
+    tensor parallelism (its compiled layers are proven against one process on CPUs, not yet on a GPU), activation
+    swap (its hooks cannot run in a compiled layer) or expert parallelism; on a GPU always, on a CPU when a C++
+    compiler is found and the run's work per process (`run_flops`, the trainer's steps x tokens x FLOPs per token /
+    processes) reaches CPU_COMPILE_MIN_FLOPS."""
     if cfg.compile != "auto":
         return bool(cfg.compile), f"compile: {str(bool(cfg.compile)).lower()}"
     if env.tp_size > 1:
-        return False, "compile: auto -> off (tensor parallel layers are not proven compiled)"
+        return False, "compile: auto -> off (tensor parallel layers compiled are proven on CPUs only: compile: true)"
     if env.dims.cp > 1:
         return False, "compile: auto -> off (context parallel attention is not proven compiled)"
     if env.dims.ep > 1:
@@ -85,7 +85,9 @@ def apply_compile(model: nn.Module) -> None:
 def compile_loss(loss_fn: LossFn) -> LossFn:
     """The loss compiled too: Inductor fuses log-softmax, the target gather and their backward over the
     [tokens, vocab] logits, which eager runs as separate passes (docs/benchmarks.md: the loss eager and
-    compiled)."""
+    compiled). Not under tensor parallelism: there the loss runs on vocab-sharded logits through
+    `loss_parallel`'s DTensor op handlers, and compiled it gave a loss other than the single process's on torch
+    2.13 (the tp2 parity case), so it stays eager; its work is a 1/tp share of the logits."""
     import torch
 
     return torch.compile(loss_fn)
@@ -98,7 +100,7 @@ def parallelize(
     `run_flops` (the whole run's model FLOPs) lets `compile: auto` judge whether compiling pays on a CPU; the parts'
     `compile_note` says what it decided and why."""
     compiled, why = compile_decision(cfg, env, run_flops)
-    if compiled:
+    if compiled and env.tp_size == 1:  # see compile_loss: the vocab-parallel loss stays eager
         loss_fn = compile_loss(loss_fn)
     pieces = split_pipeline(model, cfg, env.pp_rank) if env.pp_size > 1 else [(0, model)]
     cp_note = None

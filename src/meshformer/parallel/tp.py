@@ -104,6 +104,36 @@ class Replicated(ParallelStyle):
         )
 
 
+class VocabEmbedding(ParallelStyle):
+    """An embedding split by vocabulary rows (Shard(0)): each rank looks up the ids in its rows, the partial sums
+    are all-reduced (reduce-scattered along the sequence under sequence parallelism) and handed on as a local tensor.
+
+    torch's RowwiseParallel does the same with an asynchronous collective, whose result (an AsyncCollectiveTensor)
+    would be the first compiled layer's input: a compiled graph's backward does not route the gradient of such an
+    input back through the collective (pytorch/pytorch#118671: async collective tensors at graph boundaries), so
+    the embedding's reduction here is synchronous."""
+
+    def __init__(self, out_placement):
+        super().__init__()
+        self.out_placement = out_placement
+
+    @staticmethod
+    def _params(name, module, mesh):
+        for p_name, p in list(module.named_parameters(recurse=False)):
+            sharded = distribute_tensor(p, mesh, [Shard(0)], src_data_rank=None)
+            module.register_parameter(p_name, nn.Parameter(sharded, requires_grad=p.requires_grad))
+
+    @staticmethod
+    def _in(mod, inputs, mesh):
+        return (DTensor.from_local(inputs[0], mesh, [Replicate()], run_check=False), *inputs[1:])
+
+    def _out(self, mod, out, mesh):
+        return out.redistribute(placements=[self.out_placement], async_op=False).to_local()
+
+    def _apply(self, module: nn.Module, mesh) -> nn.Module:
+        return distribute_module(module, mesh, self._params, self._in, partial(VocabEmbedding._out, self))
+
+
 class GatherSequence(ParallelStyle):
     """All-gather the first input from sequence shards (Shard(1)) to the whole sequence, as a local tensor.
 
@@ -182,7 +212,7 @@ def make_style(name: str, seq_parallel: bool) -> ParallelStyle | None:
     styles = {
         "colwise": lambda: ColwiseParallel(),
         "rowwise": lambda: RowwiseParallel(output_layouts=seq),
-        "vocab_embedding": lambda: RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
+        "vocab_embedding": lambda: VocabEmbedding(seq),
         "vocab_head": lambda: ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1), use_local_output=False),
         "norm": lambda: NormParallel(seq),
         "norm_to_head": lambda: NormParallel(seq, Replicate()),
