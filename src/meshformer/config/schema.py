@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from meshformer.config.data_schema import DatasetConfig, ProcessorConfig
 from meshformer.config.fields import field_default, is_dataclass_type, provenance, setting
+from meshformer.config.fp8_schema import Fp8Config
 from meshformer.config.model_schema import ModelConfig, ModelSection
 from meshformer.config.preference_schema import PreferenceConfig
 
@@ -310,6 +311,7 @@ class MeshformerConfig:
     )
     recompute_config: RecomputeConfig = setting(RecomputeConfig, "Activation recomputation.")
     swap_config: SwapConfig = setting(SwapConfig, "Activation swap to host memory (GPU runs).")
+    fp8_config: Fp8Config = setting(Fp8Config, "FP8 training of the decoder's linears (torchao float8).")
     compile: bool | str = setting(
         "auto",
         "torch.compile each decoder layer and the loss (Inductor); auto: on GPUs without tensor parallelism or swap, "

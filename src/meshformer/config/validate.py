@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 
+from meshformer.config.fp8_schema import check_fp8
 from meshformer.config.preference_schema import check_preference
 from meshformer.config.scale_sense import scale_sense
 from meshformer.config.schema import MeshformerConfig, ModelConfig
@@ -71,6 +72,7 @@ def validate_config(cfg: MeshformerConfig) -> None:
     check_swap(cfg)
     check_compile(cfg)
     check_preference(cfg)
+    check_fp8(cfg)
     if cfg.profile and cfg.profile_stop_step < cfg.profile_start_step:
         raise UserError(
             f"profile_stop_step={cfg.profile_stop_step} is before profile_start_step={cfg.profile_start_step}: "

@@ -99,6 +99,8 @@ class Trainer:
         for name in built.transforms:
             self.console.log(f"model transform: {name}")
         self.console.log(built.parts.compile_note)
+        if built.parts.fp8_note:
+            self.console.log(built.parts.fp8_note)
         if built.parts.cp_note is not None:
             self.console.log(built.parts.cp_note)
         if built.matmul_note:
