@@ -7,7 +7,8 @@ which cast the input and the gradient to FP8 with scales over the whole tensor),
 see the converted modules. It converts the decoder's nn.Linear (under `layers.`): never the output head or the
 embedding, not an MoE router (a parameter, not a linear), not a linear whose name contains one of
 `fp8_config.filter_fqns`, and not one whose dims are not multiples of 16 (what FP8 matmul kernels take): those
-stay in bf16 and the returned note lists them once. torchao's Float8Linear reads the CUDA autocast dtype only, so
+stay in bf16 and the returned note lists them once. On a CPU the float8 products are emulated (float8_linear_config).
+torchao's Float8Linear reads the CUDA autocast dtype only, so
 on a CPU each converted linear casts its input to the CPU autocast dtype itself (`cpu_autocast_input`), as the
 autocast of a plain linear would: the backward then meets bf16 on both sides, which the rowwise_with_gw_hp
 recipe's high-precision weight gradient needs.
@@ -50,12 +51,17 @@ def torchao_float8():
     return torchao.float8
 
 
-def float8_linear_config(cfg: MeshformerConfig):
-    """torchao's Float8LinearConfig for `fp8_config`: the named recipe, with the FSDP2 FP8 all-gather as asked."""
+def float8_linear_config(cfg: MeshformerConfig, device: torch.device):
+    """torchao's Float8LinearConfig for `fp8_config`: the named recipe, with the FSDP2 FP8 all-gather as asked. On a
+    CPU torchao's emulation multiplies the float8 operands: the same casts and scales, the product of the rounded
+    values in fp32 instead of `torch._scaled_mm`, whose CPU kernel is a reference loop hundreds of times slower than
+    a bf16 matmul."""
     Float8LinearConfig = torchao_float8().Float8LinearConfig
     fc = cfg.fp8_config
     config = Float8LinearConfig.from_recipe_name(fc.recipe)
-    return dataclasses.replace(config, enable_fsdp_float8_all_gather=fc.enable_fsdp_float8_all_gather)
+    return dataclasses.replace(
+        config, enable_fsdp_float8_all_gather=fc.enable_fsdp_float8_all_gather, emulate=device.type == "cpu"
+    )
 
 
 def float8_choice(model: nn.Module, filter_fqns: list[str]) -> tuple[list[str], dict[str, str]]:
@@ -118,7 +124,9 @@ def apply_float8(model: nn.Module, cfg: MeshformerConfig, env: ParallelEnv) -> s
             f"widen its layers to multiples of {FP8_ALIGN}, trim fp8_config.filter_fqns, or set enable: false"
         )
     chosen = set(convert)
-    convert_to_float8_training(model, config=float8_linear_config(cfg), module_filter_fn=lambda mod, fqn: fqn in chosen)
+    convert_to_float8_training(
+        model, config=float8_linear_config(cfg, env.device), module_filter_fn=lambda mod, fqn: fqn in chosen
+    )
     if env.device.type == "cpu":
         for mod in model.modules():
             if isinstance(mod, Float8Linear):
