@@ -130,3 +130,24 @@ def test_the_doctor_offers_fp8_on_a_compute_bound_hopper_run_only():
     assert "fp8_config.enable: true" in finding.text and "72% of the FLOPs" in finding.text
     assert not fp8_findings(_plan(LLAMA31_8B, "A100"))  # no FP8 units
     assert not fp8_findings(_plan({**LLAMA31_8B, "fp8_config.enable": True}))  # already on
+
+
+def test_precomputed_fsdp_scales_run_after_each_optimizer_step_only_when_asked(monkeypatch):
+    """The hook exists only for a run with precompute_float8_dynamic_scale_for_fsdp, and calls torchao's precompute
+    on every model piece after the optimizer step (the FSDP FP8 all-gather itself needs NCCL: no CPU test)."""
+    from types import SimpleNamespace
+
+    from meshformer.train import float8_scales
+    from meshformer.train.hooks import REGISTERED
+
+    assert REGISTERED["float8_scales"] == float8_scales.Float8ScalesHook.for_run
+    parts = SimpleNamespace(parts=[nn.Linear(16, 16), nn.Linear(16, 16)])
+    fp8 = {M + "compute_dtype": "bfloat16", "fp8_config.enable": True}
+    assert float8_scales.Float8ScalesHook.for_run(_cfg(fp8), parts) is None
+    asked = _cfg({**fp8, "fp8_config.enable_fsdp_float8_all_gather": True,
+                  "fp8_config.precompute_float8_dynamic_scale_for_fsdp": True})  # fmt: skip
+    hook = float8_scales.Float8ScalesHook.for_run(asked, parts)
+    seen = []
+    monkeypatch.setattr(torchao_float8(), "precompute_float8_dynamic_scale_for_fsdp", seen.append)
+    hook.after_optimizer_step(1)
+    assert seen == parts.parts
