@@ -98,6 +98,10 @@ def run_mode(args, mode: str, acc) -> dict:
     flat += ["--parallel_config.data_parallel", str(world), "--train_dataset.batch_size", str(args.batch)]
     if args.fsdp:
         flat += ["--parallel_config.optimizer_shard", "true"]
+    if args.fp8:  # the decoder's linears in FP8 (fp8_config); on GPUs under FSDP the weights gather in FP8 too
+        flat += ["--fp8_config.enable", "true", "--fp8_config.recipe", args.fp8]
+        if args.fsdp and args.fp8 == "tensorwise" and torch.cuda.is_available():
+            flat += ["--fp8_config.enable_fsdp_float8_all_gather", "true"]
     cfg = load_config(None, flat + MODES[mode])
     env = init_parallel(cfg)
     dev = env.device
@@ -152,6 +156,8 @@ def run_mode(args, mode: str, acc) -> dict:
         "micro_batch": args.batch,
         "dtype": args.dtype,
         "fsdp": args.fsdp,
+        "fp8": args.fp8 or None,
+        "fp8_note": built.parts.fp8_note,
         "build_s": round(t_build, 2),
         "step_s": step_s,
         "tokens_per_s_per_device": tok_s,
@@ -194,6 +200,12 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     ap.add_argument("--modes", default="selective", help=f"comma-separated, of {', '.join(MODES)}")
     ap.add_argument("--fsdp", action="store_true", help="shard parameters, gradients and states (FSDP2)")
+    ap.add_argument(
+        "--fp8",
+        default="",
+        choices=("", "tensorwise", "rowwise", "rowwise_with_gw_hp"),
+        help="train the decoder's linears in FP8 with this recipe (fp8_config; needs --dtype bfloat16)",
+    )
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=5, help="timed steps per mode")
     ap.add_argument("--budget-s", type=float, default=0, help="start no further mode after this many seconds")
@@ -238,7 +250,8 @@ def main() -> None:
             continue
         alloc = r.get("peak_allocated_bytes", r.get("activations_bytes", 0))
         print(
-            f"| {r['preset']} | {r['layers']} | {r['seq']} x {r['micro_batch']} | {r['mode']} | "
+            f"| {r['preset']} | {r['layers']} | {r['seq']} x {r['micro_batch']} | {r['mode']}"
+            f"{' fp8 ' + r['fp8'] if r.get('fp8') else ''} | "
             f"{r['tokens_per_s_per_device']:,.0f} | {r['predicted_tokens_per_s']:,.0f} | {r['mfu']:.1%} | "
             f"{alloc / gib:.2f} GiB | {r['predicted_allocated_bytes'] / gib:.2f} GiB | "
             f"{r.get('peak_reserved_bytes', 0) / gib:.2f} GiB | {r['predicted_reserved_bytes'] / gib:.2f} GiB |"

@@ -233,6 +233,26 @@ VARIANTS["moe_bal_seq"] = {
     "model.model_config.moe_config.aux_loss_factors": [0.001],
 }
 
+# FP8 linears (fp8_config, tests/parity/test_fp8_parity.py), kept apart from VARIANTS (whose every entry the other
+# parity files run as a reference): "fp8" as a user runs it (bf16 compute, tensorwise), and the same recipes over
+# fp32 activations ("_fp32": the config refuses that mix for users, FP8_FP32 sets it after validation) so that the
+# layouts' FP8 arithmetic is compared without bf16's rounding noise on top.
+FP8_VARIANTS = {
+    "fp8": {**VARIANTS["bf16"], "fp8_config.enable": True},
+    "fp8_fp32": {**VARIANTS["bf16"], "fp8_config.enable": True},
+    "fp8_gw_fp32": {**VARIANTS["bf16"], "fp8_config.enable": True, "fp8_config.recipe": "rowwise_with_gw_hp"},
+}
+FP8_FP32 = ("fp8_fp32", "fp8_gw_fp32")
+
+
+def variant_cfg(variant: str, case: str | None = None):
+    """The config of a variant (VARIANTS or FP8_VARIANTS) under a case's layout (None: one process)."""
+    overrides = {**(VARIANTS.get(variant) or FP8_VARIANTS[variant]), **(spec_of(case)[0] if case else {})}
+    cfg = make_cfg(overrides)
+    if variant in FP8_FP32:
+        cfg.model.model_config.compute_dtype = "float32"
+    return cfg
+
 
 class Wrapped(nn.Module):
     """A linear one level down inside another module, as a LoRA linear holds its base layer: the tensor-parallel
@@ -371,8 +391,7 @@ def evaluate_first(parts, cfg, env, n_micro: int, packed: bool = False) -> float
 
 def run_case(case: str, variant: str = "fp32", world_size: int | None = None):
     """(results on this rank, env, this rank's memory). world_size=1 with case=None: the single-process reference."""
-    overrides = {**VARIANTS[variant], **(spec_of(case)[0] if case else {})}
-    cfg = make_cfg(overrides)
+    cfg = variant_cfg(variant, case)
     env = init_parallel(cfg, world_size)
     n_micro = spec_of(case)[1] if case else 1
     out, memory = run(cfg, env, n_micro, VARIANT_TRANSFORMS.get(variant), packed=is_packed(variant))

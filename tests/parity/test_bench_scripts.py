@@ -122,3 +122,16 @@ def test_moe_bench_trains_grouped_and_looped_experts_to_the_same_losses(tmp_path
     rows = _rows(layer)
     assert [r["experts"] for r in rows] == ["grouped", "loop"]
     assert all(r["rows"] == 2 * 64 * 2 and r["best_s"] > 0 and r["tflop_per_s"] > 0 for r in rows)
+
+
+def test_gpu_bench_trains_the_tiny_preset_with_fp8_linears_on_the_cpu(tmp_path):
+    """`--fp8` so the GPU benchmark's FP8 path cannot rot: every decoder linear of the tiny preset converts (its
+    widths are multiples of 16), it trains to finite losses, and the table says FP8."""
+    out = tmp_path / "rows.jsonl"
+    cmd = [sys.executable, str(ROOT / "bench" / "gpu_train.py"), *TINY, "--modes", "selective", "--fp8", "tensorwise"]
+    out_text = _run([*cmd, "--json", str(out)])
+    (row,) = _rows(out)
+    assert "error" not in row, row
+    assert row["fp8"] == "tensorwise" and row["fp8_note"] == "fp8: 28 decoder linears in FP8 (tensorwise)"
+    assert math.isfinite(row["loss_first"]) and math.isfinite(row["loss_last"]) and row["tokens_per_s_per_device"] > 0
+    assert "| tiny | 4 | 64 x 2 | selective fp8 tensorwise |" in out_text

@@ -1,6 +1,9 @@
 """Dense peak FLOP/s of the accelerators meshformer recognises: the one table the trainer's MFU and the planner read.
 
-Figures are vendor data-sheet values without sparsity. fp32 matmuls run at `fp32` unless TF32 is on
+Figures are vendor data-sheet values without sparsity. `fp8` is the dense FP8 (E4M3/E5M2) tensor-core rate where
+the device has one (compute capability 8.9 and newer); the planner puts the linears that fp8_config converts on it,
+and the trainer's MFU stays against the bf16 figure, as torchtitan's does, so FP8 shows as a higher MFU.
+fp32 matmuls run at `fp32` unless TF32 is on
 (`torch.set_float32_matmul_precision("high")`, or `torch.backends.cuda.matmul.allow_tf32`), when NVIDIA's tensor
 cores take them at `tf32`; meshformer itself never turns TF32 on, so an fp32 run's MFU is against the fp32 figure
 unless the user asked for TF32.
@@ -22,15 +25,22 @@ class Peaks:
     fp32: float  # fp32 matmuls on the vector units (TF32 off)
     tf32: float | None  # fp32 matmuls on the tensor cores with TF32 on; None: the device has no TF32 mode
     source: str
+    fp8: float | None = None  # dense FP8 FLOP/s; None: no FP8 tensor cores
 
 
 PEAKS = {
-    "H200": Peaks(989.4e12, 66.9e12, 494.7e12, "NVIDIA H200 SXM data sheet (dense; TF32 989 with sparsity)"),
-    "H100": Peaks(989.4e12, 66.9e12, 494.7e12, "NVIDIA H100 SXM5 data sheet (dense; TF32 989 with sparsity)"),
+    "H200": Peaks(
+        989.4e12, 66.9e12, 494.7e12, "NVIDIA H200 SXM data sheet (dense; TF32 989, FP8 3,958 with sparsity)", 1978.9e12
+    ),
+    "H100": Peaks(
+        989.4e12, 66.9e12, 494.7e12, "NVIDIA H100 SXM5 data sheet (dense; TF32 989, FP8 3,958 with sparsity)", 1978.9e12
+    ),
     "A100": Peaks(312e12, 19.5e12, 156e12, "NVIDIA A100 SXM4 data sheet (dense; TF32 312 with sparsity)"),
-    "L40S": Peaks(362.05e12, 91.6e12, 183e12, "NVIDIA L40S data sheet (dense)"),
+    "L40S": Peaks(362.05e12, 91.6e12, 183e12, "NVIDIA L40S data sheet (dense; FP8 1,466 with sparsity)", 733e12),
     "A10": Peaks(125e12, 31.2e12, 62.5e12, "NVIDIA A10 data sheet (dense)"),
-    "4090": Peaks(165.2e12, 82.6e12, 82.6e12, "NVIDIA Ada GeForce RTX 4090 whitepaper (dense, fp32 accumulate)"),
+    "4090": Peaks(
+        165.2e12, 82.6e12, 82.6e12, "NVIDIA Ada GeForce RTX 4090 whitepaper (dense, fp32 accumulate)", 330.3e12
+    ),
     "910B": Peaks(313e12, 75e12, None, "Huawei Ascend 910B (Atlas 800T A2): 313 TFLOP/s FP16"),
 }
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from meshformer.config.data_schema import DatasetConfig, ProcessorConfig
 from meshformer.config.distill_schema import DistillConfig
 from meshformer.config.fields import field_default, is_dataclass_type, provenance, setting
+from meshformer.config.fp8_schema import Fp8Config
 from meshformer.config.model_schema import ModelConfig, ModelSection
 from meshformer.config.preference_schema import PreferenceConfig
 from meshformer.config.tracker_schema import REPORT_TO_DOC, RUN_NAME_DOC, TrackerConfig
@@ -312,6 +313,7 @@ class MeshformerConfig:
     )
     recompute_config: RecomputeConfig = setting(RecomputeConfig, "Activation recomputation.")
     swap_config: SwapConfig = setting(SwapConfig, "Activation swap to host memory (GPU runs).")
+    fp8_config: Fp8Config = setting(Fp8Config, "FP8 training of the decoder's linears (torchao float8).")
     compile: bool | str = setting(
         "auto",
         "torch.compile each decoder layer and the loss (the loss not under tensor parallelism; Inductor); auto: on "

@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 
 from meshformer.config.distill_schema import check_distill
+from meshformer.config.fp8_schema import check_fp8
 from meshformer.config.preference_schema import check_preference
 from meshformer.config.scale_sense import scale_sense
 from meshformer.config.schema import MeshformerConfig, ModelConfig
@@ -75,6 +76,7 @@ def validate_config(cfg: MeshformerConfig) -> None:
     check_preference(cfg)
     cfg.report_to = report_to_names(cfg.report_to)  # one list of tracker names, whichever spelling
     check_distill(cfg)
+    check_fp8(cfg)
     if cfg.profile and cfg.profile_stop_step < cfg.profile_start_step:
         raise UserError(
             f"profile_stop_step={cfg.profile_stop_step} is before profile_start_step={cfg.profile_start_step}: "

@@ -1,6 +1,7 @@
 """`parallelize`: the one place that composes the parallel techniques, in one order, on a meta-device model.
 
-Order (see docs/design.md): pipeline split (which pieces this rank holds) -> context parallel (attention over
+Order (see docs/design.md): FP8 linears (fp8_config: torchao's Float8Linear on the whole model, parallel/float8.py)
+-> pipeline split (which pieces this rank holds) -> context parallel (attention over
 keys gathered from the cp ranks, the root given its tokens' global layout) -> tensor parallel (the model family's
 plan, DTensor; MoE routers and routed experts stay whole on every tp rank) -> expert parallel (routed experts
 sharded by expert over "ep", their rows dispatched and combined by all-to-all) -> activation recompute (wraps
@@ -24,6 +25,7 @@ from meshformer.parallel.context_parallel import apply_context_parallel
 from meshformer.parallel.data_parallel import apply_data_parallel
 from meshformer.parallel.env import ParallelEnv
 from meshformer.parallel.expert_parallel import apply_expert_parallel
+from meshformer.parallel.float8 import apply_float8
 from meshformer.parallel.parts import LossFn, ModelParts
 from meshformer.parallel.pipeline import split_pipeline
 from meshformer.parallel.pipeline_parts import PipelineParts
@@ -102,6 +104,7 @@ def parallelize(
     compiled, why = compile_decision(cfg, env, run_flops)
     if compiled and env.tp_size == 1:  # see compile_loss: the vocab-parallel loss stays eager
         loss_fn = compile_loss(loss_fn)
+    fp8_note = apply_float8(model, cfg, env)  # before the split: every stage's linears, listed once
     pieces = split_pipeline(model, cfg, env.pp_rank) if env.pp_size > 1 else [(0, model)]
     cp_note = None
     for _, part in pieces:
@@ -121,5 +124,5 @@ def parallelize(
         parts = PipelineParts([p for _, p in pieces], [s for s, _ in pieces], cfg, env, loss_fn)
     else:
         parts = ModelParts([model], cfg, env, loss_fn)
-    parts.compile_note, parts.cp_note = why, cp_note
+    parts.compile_note, parts.cp_note, parts.fp8_note = why, cp_note, fp8_note
     return parts

@@ -47,6 +47,7 @@ class ModelParts:
         # What parallelize decided, for the run's log: whether the layers and the loss were compiled and why, and
         # how context parallelism laid out the tokens (None: no context parallelism)
         self.compile_note = ""
+        self.fp8_note = ""  # fp8_config: the linears in FP8 and those kept in bf16 (parallel/float8.py)
         self.cp_note: str | None = None
         self.aux_loss_names: list[str] | None = None  # the auxiliary losses all ranks reduce (train/step.py)
         self.aux_loss_normalized: set[str] = set()  # ... those already normalised by the model (only summed)

@@ -206,9 +206,12 @@ class MoeBlockParallel(ParallelStyle):
         return module
 
 
-def make_style(name: str, seq_parallel: bool) -> ParallelStyle | None:
-    """The torch ParallelStyle of a plan's style name (None: nothing to do in this configuration)."""
+def make_style(name: str, seq_parallel: bool, float8: bool = False) -> ParallelStyle | None:
+    """The torch ParallelStyle of a plan's style name (None: nothing to do in this configuration). `float8`: the
+    module is a tensorwise FP8 linear (parallel/float8.py), whose column and row styles are torchao's."""
     seq = Shard(1) if seq_parallel else Replicate()
+    if float8 and name in FLOAT8_STYLES:
+        return float8_style(name, seq)
     styles = {
         "colwise": lambda: ColwiseParallel(),
         "rowwise": lambda: RowwiseParallel(output_layouts=seq),
@@ -232,6 +235,19 @@ def make_style(name: str, seq_parallel: bool) -> ParallelStyle | None:
     if name not in styles:
         raise ValueError(f"unknown tensor-parallel style {name!r}: one of {', '.join(styles)}")
     return styles[name]()
+
+
+FLOAT8_STYLES = ("colwise", "rowwise", "rowwise_full")
+
+
+def float8_style(name: str, seq) -> ParallelStyle:
+    """torchao's FP8 column / row styles (torchtitan's tensorwise TP): the input cast to FP8 before it is gathered
+    or scattered, the gradient cast with one scale over the whole tensor."""
+    from torchao.float8.float8_tensor_parallel import Float8ColwiseParallel, Float8RowwiseParallel
+
+    if name == "colwise":
+        return Float8ColwiseParallel()
+    return Float8RowwiseParallel(output_layouts=seq if name == "rowwise" else Replicate())
 
 
 def resolve_plan(model: nn.Module, plan: dict[str, str]) -> dict[str, str]:
@@ -258,7 +274,12 @@ def _expand(module: nn.Module, path: str, style: str) -> dict[str, str]:
 
 def apply_tp(model: nn.Module, tp_mesh, plan: dict[str, str], seq_parallel: bool) -> None:
     """Shard a (meta-device, possibly pipeline-trimmed) model over `tp_mesh` in place, following `plan`."""
-    resolved = {path: make_style(style, seq_parallel) for path, style in resolve_plan(model, plan).items()}
+    from meshformer.parallel.float8 import is_tensorwise_float8
+
+    resolved = {
+        path: make_style(style, seq_parallel, is_tensorwise_float8(model.get_submodule(path)))
+        for path, style in resolve_plan(model, plan).items()
+    }
     resolved = {path: style for path, style in resolved.items() if style is not None}
     if resolved:
         parallelize_module(model, tp_mesh, resolved)

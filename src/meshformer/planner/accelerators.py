@@ -30,6 +30,9 @@ class Accelerator:
     efficiency: float = 0.4  # share of peak meshformer's training step reaches (hardware FLOPs): see below
     host_bw: float = 50 * GB  # device <-> pinned host memory, bytes/s per direction (activation swap)
     communicator_bytes: float = 0.5 * (1 << 30)  # buffers of one collective communicator (NCCL/HCCL), per group
+    peak_fp8: float | None = None  # dense FP8 FLOP/s (None: no FP8 units; fp8_config is planned at bf16)
+    hbm_bw: float = 0.0  # device memory bytes/s: FP8's scaling and casting passes are bound by it
+    gemm_efficiency: float = 0.7  # share of peak a large matmul kernel reaches, bf16 or FP8: see below
 
     def runtime(self, dims) -> float:
         """Bytes outside the tensors: the context, plus one communicator per parallel dimension in use (and the
@@ -50,7 +53,9 @@ ACCELERATORS = {
         8,
         0.8 * (1 << 30),
         "NVIDIA H100 SXM5 data sheet (989.4 TFLOP/s dense BF16, 80 GB HBM3, NVLink 900 GB/s both directions); "
-        "400 Gb/s InfiniBand per GPU",
+        "400 Gb/s InfiniBand per GPU; FP8 1,978.9 TFLOP/s dense, HBM 3.35 TB/s",
+        peak_fp8=PEAKS["H100"].fp8,
+        hbm_bw=3.35e12,
     ),
     "H200": Accelerator(
         "H200",
@@ -61,7 +66,10 @@ ACCELERATORS = {
         50 * GB,
         8,
         0.8 * (1 << 30),
-        "NVIDIA H200 SXM data sheet (989.4 TFLOP/s dense BF16, 141 GB HBM3e, NVLink 900 GB/s); 400 Gb/s IB per GPU",
+        "NVIDIA H200 SXM data sheet (989.4 TFLOP/s dense BF16, 141 GB HBM3e, NVLink 900 GB/s); 400 Gb/s IB per GPU; "
+        "FP8 1,978.9 TFLOP/s dense, HBM 4.8 TB/s",
+        peak_fp8=PEAKS["H200"].fp8,
+        hbm_bw=4.8e12,
     ),
     "A100": Accelerator(
         "A100",
@@ -97,6 +105,9 @@ ALIASES = {"ascend": "910B", "ascend910b": "910B", "atlas800ta2": "910B", "h100s
 # launches, element-wise work, attention and the optimizer. `runtime_bytes`: what that process held outside the
 # caching allocator, rounded up (docs/memory.md); a communicator's 0.5 GiB is an estimate (NCCL's default 4 MiB
 # buffers x channels x peers), not a measurement. host_bw: PCIe Gen5 x16 pinned copies (docs/benchmarks.md).
+# `gemm_efficiency`: the share of peak one large matmul kernel reaches (cuBLAS on Hopper, bf16 and FP8 alike), an
+# assumption, not measured here: the FP8 plan (planner/throughput.py) takes the converted linears' matmul time at it
+# out of the bf16 step and puts it back at the FP8 peak, so the rest of the step keeps the calibrated `efficiency`.
 
 
 def cpu_accelerator(memory_bytes: float | None = None) -> Accelerator:

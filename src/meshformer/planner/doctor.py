@@ -8,7 +8,8 @@
 2. Pipeline bubble over 10%: the micro_batch_num that brings it under.
 3. Tensor parallelism across nodes (its collectives run every layer, so it belongs inside a node).
 4. A throughput target beyond the hardware: the FLOP/s it needs against what the devices have.
-5. fp32 compute where bf16 would do (half the activation memory, several times the matmul speed).
+5. fp32 compute where bf16 would do (half the activation memory, several times the matmul speed); a compute-bound
+   bf16 run on a GPU with FP8 units: fp8_config, with the step time the planner predicts for it.
 6. Mixture-of-Experts: routed experts' states dominating a rank (a larger `expert_parallel` divides them; also a
    memory knob), and expert parallelism's all-to-all taking a large share of the step (ep spanning nodes).
 7. A long sequence under recompute: context parallelism (half the data-parallel ranks) with recompute off, when the
@@ -253,6 +254,32 @@ def precision_findings(plan: Plan) -> list[Finding]:
     return []
 
 
+COMPUTE_BOUND = 0.5  # share of the step spent computing above which faster matmuls shorten it most
+
+
+def fp8_findings(plan: Plan) -> list[Finding]:
+    """A bf16 run whose step is mostly compute, on a device with FP8 units: FP8 linears, if the planner finds them
+    faster for this model's shapes."""
+    mc, t, acc = plan.cfg.model.model_config, plan.throughput, plan.accelerator
+    if plan.cfg.fp8_config.enable or mc.compute_dtype != "bfloat16" or acc.peak_fp8 is None:
+        return []
+    busy = t.compute_s / (1 - t.bubble_fraction) / t.step_time_s
+    if busy < COMPUTE_BOUND:
+        return []
+    fp8 = _variant(plan, **{"fp8_config.enable": True})
+    if fp8 is None or fp8.throughput.step_time_s >= t.step_time_s:
+        return []
+    ft = fp8.throughput
+    return [
+        Finding(
+            "warning",
+            f"compute-bound ({busy:.0%} of the step is compute) on {acc.name}, which has FP8 units: "
+            f"fp8_config.enable: true runs {ft.fp8_share:.0%} of the FLOPs in FP8 linears: predicted "
+            f"{t.step_time_s:.3g} -> {ft.step_time_s:.3g} s/step ({t.step_time_s / ft.step_time_s:.2f}x)",
+        )
+    ]
+
+
 def _ep_choices(plan: Plan) -> list[int]:
     """expert_parallel degrees above the current one that divide the experts and the ranks ep may borrow
     (dp_shard x cp, with optimizer sharding over all of data_parallel where the run does not shard yet)."""
@@ -373,4 +400,5 @@ def diagnose(plan: Plan, target_samples_per_s: float | None = None) -> list[Find
         *topology_findings(plan),
         *target_findings(plan, target_samples_per_s),
         *precision_findings(plan),
+        *fp8_findings(plan),
     ]

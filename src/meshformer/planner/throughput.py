@@ -27,6 +27,7 @@ come back during backward (its two thirds), at the accelerator's host link bandw
 Step time = compute / (1 - bubble) + tensor-parallel, pipeline, all-to-all and K/V-gather transfers (on the critical
 path) + swap
 + the part of the data-parallel transfers that does not hide behind the backward pass (assumed: all but 20% of compute).
+FP8 linears (fp8_config, on a device with FP8 units): their matmuls at the FP8 peak, casts paid (planner/fp8.py).
 Bubble = (p - 1) / (m + p - 1) for GPipe and 1F1B, divided by v for interleaved schedules with v stages per rank.
 """
 
@@ -40,6 +41,7 @@ from meshformer.parallel.dims import ParallelDims
 from meshformer.planner.accelerators import Accelerator
 from meshformer.planner.experts import expert_figures
 from meshformer.planner.extra_work import prepass_share, recompute_share
+from meshformer.planner.fp8 import fp8_figures
 
 
 @dataclass
@@ -65,6 +67,8 @@ class Throughput:
     ep_s: float = 0.0  # its time (on the critical path)
     cp_bytes: float = 0.0  # context parallelism's K/V all-gathers and their reduce-scatters, per rank and step
     cp_s: float = 0.0  # their time (on the critical path: attention waits for the gathered keys)
+    fp8_share: float = 0.0  # fp8_config: share of the model FLOPs that run in FP8 (planner/fp8.py)
+    fp8_saved_s: float = 0.0  # ... and the compute time per rank and step that FP8 saves, casts paid
 
 
 def flops_per_token(cfg: MeshformerConfig) -> float:
@@ -104,6 +108,9 @@ def predict(
     hardware = model_flops * (1 + recompute_share(cfg) * layer_share / 3 + prepass_share(cfg))
     world = dims.world_size
     compute = hardware / world / (peak * acc.efficiency)
+    fp8 = fp8_figures(cfg, dims, acc, tokens, n_micro, fpt) if low else None
+    if fp8 is not None:
+        compute -= fp8.saved_s
     bubble = bubble_fraction(cfg, n_micro)
 
     T, h, L = micro_batch * mc.seq_length // dims.cp, mc.hidden_size, mc.num_layers  # a cp rank's tokens
@@ -154,6 +161,8 @@ def predict(
         ep_s,
         cp_bytes,
         cp_s,
+        fp8.flops_share if fp8 else 0.0,
+        fp8.saved_s if fp8 else 0.0,
     )
 
 

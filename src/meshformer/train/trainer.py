@@ -28,7 +28,10 @@ from meshformer.models import num_params
 from meshformer.observe.timing import StepClock
 from meshformer.parallel import ModelParts, ParallelEnv, init_parallel
 from meshformer.parallel.batch_plan import BatchPlan
-from meshformer.train import moe_balance  # noqa: F401  (registers the MoE balance hook every MoE run needs)
+from meshformer.train import (
+    float8_scales,  # noqa: F401  (registers fp8_config's precomputed FSDP scales)
+    moe_balance,  # noqa: F401  (registers the MoE balance hook every MoE run needs)
+)
 from meshformer.train.base_source import BaseModelSource, source_of
 from meshformer.train.checkpointing import Checkpointing, check_resumable, run_identity
 from meshformer.train.data import TrainingData
@@ -99,6 +102,8 @@ class Trainer:
         for name in built.transforms:
             self.console.log(f"model transform: {name}")
         self.console.log(built.parts.compile_note)
+        if built.parts.fp8_note:
+            self.console.log(built.parts.fp8_note)
         if built.parts.cp_note is not None:
             self.console.log(built.parts.cp_note)
         if built.matmul_note:
