@@ -332,6 +332,19 @@ def family_for_hf(hf: dict, where: str) -> tuple[ModelFamily, str]:
     )
 
 
+def hf_model_type(hf: dict, hf_model_types: dict[str, str], where: str, expected: str) -> str:
+    """Which of a family's Hugging Face model types (`hf_model_types`: model_type -> architecture class) a
+    config.json is, by its `architectures` or else its `model_type` (as `family_for_hf` found the family);
+    `expected` names them in the one-line error."""
+    by_class = {arch: mt for mt, arch in hf_model_types.items()}
+    for arch in hf.get("architectures") or []:
+        if arch in by_class:
+            return by_class[arch]
+    if hf.get("model_type") in hf_model_types:
+        return hf["model_type"]
+    raise UserError(f"{where}: not a {expected} config.json")
+
+
 def family_for_gguf(arch: str) -> tuple[ModelFamily, GgufArch] | None:
     """(family, its names) of a GGUF `general.architecture`, or None."""
     for f in families():
