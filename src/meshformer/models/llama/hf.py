@@ -24,11 +24,6 @@ CONFIG_TYPES = {
 HF_MODEL_TYPES = {model_type: arch for model_type, (_, arch, _) in CONFIG_TYPES.items()}
 
 
-def model_type_of(hf: dict, where: str) -> str:
-    """The model_type of one of this family's config.json files (the registry found the family by the same keys)."""
-    return hf_model_type(hf, HF_MODEL_TYPES, where, "Llama-, Qwen2- or Qwen3-family")
-
-
 def refuse_first(problems: dict[str, tuple[bool, str]], where: str, model: str = "model", sep: str = " ") -> None:
     """One line naming the first of a config.json's `problems` ({key: (whether it is there, what it is)}) that
     meshformer's `model` does not build."""
@@ -74,7 +69,7 @@ def _refuse_unsupported(hf: dict, model_type: str, where: str) -> None:
 
 def config_from_hf(hf: dict, where: str = "config.json") -> dict:
     """The `model.model_config` fields (a dict for the config loader) of a Hugging Face config.json."""
-    model_type = model_type_of(hf, where)
+    model_type = hf_model_type(hf, HF_MODEL_TYPES, where, "Llama-, Qwen2- or Qwen3-family")
     family, _, tied_default = CONFIG_TYPES[model_type]
     _refuse_unsupported(hf, model_type, where)
     return {
