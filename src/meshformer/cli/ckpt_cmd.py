@@ -10,11 +10,12 @@ from __future__ import annotations
 import json
 import sys
 
+from meshformer.cli.commands import add_command
+
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("ckpt", help="inspect, verify or merge checkpoints", description=__doc__.split("\n\n")[0])
-    verbs = p.add_subparsers(dest="verb", metavar="VERB")
-    verbs.required = True
+    p = add_command(sub, "ckpt", "inspect, verify or merge checkpoints", __doc__)
+    verbs = p.add_subparsers(dest="verb", metavar="VERB", required=True)
     i = verbs.add_parser("info", help="step, layout, model shape, sizes and status of each checkpoint")
     i.add_argument("path", help="a checkpoint/step_N directory or a run's output_dir")
     i.add_argument("--json", action="store_true", help="print JSON")

@@ -33,9 +33,7 @@ def add_parser(sub) -> None:
         "the shape, processor.tokenizer.tokenizer_file or vocab_file the tokenizer.json)",
     )
     i.add_argument(
-        "--verify",
-        action="store_true",
-        help=f"compare logits with transformers (exit 1 above {TOLERANCE_TEXT})",
+        "--verify", action="store_true", help=f"compare logits with transformers (exit 1 above {TOLERANCE_TEXT})"
     )
     i.set_defaults(func=run_import)
     e = sub.add_parser(

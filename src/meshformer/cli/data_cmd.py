@@ -27,8 +27,7 @@ def add_parser(sub) -> None:
         help="print the samples a config's training will read, or its dataset's statistics",
         description="Inspect the dataset a config names, as the trainer reads it.",
     )
-    verbs = p.add_subparsers(dest="data_command", metavar="VERB")
-    verbs.required = True
+    verbs = p.add_subparsers(dest="data_command", metavar="VERB", required=True)
     s = verbs.add_parser(
         "samples",
         help="the run's samples in training order: input ids, labels, loss mask (and text)",

@@ -7,14 +7,13 @@ from __future__ import annotations
 import math
 
 from meshformer.cli import plan_cmd
+from meshformer.cli.commands import add_command
 from meshformer.errors import UserError
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser(
-        "doctor",
-        help="check a config against memory, bubble, topology and throughput, and say what to change",
-        description=__doc__.split("\n\n")[0],
+    p = add_command(
+        sub, "doctor", "check a config against memory, bubble, topology and throughput, and say what to change", __doc__
     )
     plan_cmd.add_machine_arguments(p)
     p.add_argument(

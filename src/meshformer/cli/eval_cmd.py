@@ -10,13 +10,12 @@ import json
 import math
 from pathlib import Path
 
+from meshformer.cli.commands import add_command
 from meshformer.errors import UserError
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser(
-        "eval", help="loss and perplexity of a checkpoint on a text file", description=__doc__.split("\n\n")[0]
-    )
+    p = add_command(sub, "eval", "loss and perplexity of a checkpoint on a text file", __doc__)
     p.add_argument("--checkpoint", required=True, metavar="DIR", help="a checkpoint or a run's output_dir")
     p.add_argument("--input", required=True, metavar="FILE", help="a UTF-8 text file")
     p.add_argument("--seq-length", type=int, default=None, metavar="N", help="window length (default: the model's)")

@@ -1,4 +1,8 @@
-"""`meshformer generate`: continue a prompt with a trained checkpoint, or chat with it.
+"""Continue --prompt (several: repeat it, or --prompts-file) with a trained model and print prompt + completion as it is
+generated; several prompts run as one left-padded batch. --chat replies instead: to --prompt, to a scripted conversation
+(--messages FILE) or, on a terminal, interactively.
+
+`meshformer generate`: continue a prompt with a trained checkpoint, or chat with it.
 
 The checkpoint (a run's output_dir, whose newest checkpoint is used, or one checkpoint directory) is loaded by
 `meshformer.interop.load_for_inference`, which returns the model, its config and its tokenizer. One prompt
@@ -14,18 +18,13 @@ import sys
 import time
 from pathlib import Path
 
+from meshformer.cli.commands import add_command
 from meshformer.cli.devices import device_from_flag
 from meshformer.errors import UserError
 
 
 def add_parser(subparsers) -> None:
-    p = subparsers.add_parser(
-        "generate",
-        help="Generate text from a checkpoint.",
-        description="Continue --prompt (several: repeat it, or --prompts-file) with a trained model and print "
-        "prompt + completion as it is generated; several prompts run as one left-padded batch. --chat replies "
-        "instead: to --prompt, to a scripted conversation (--messages FILE) or, on a terminal, interactively.",
-    )
+    p = add_command(subparsers, "generate", "Generate text from a checkpoint.", __doc__)
     p.add_argument(
         "--checkpoint",
         required=True,

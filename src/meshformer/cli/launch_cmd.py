@@ -1,4 +1,7 @@
-"""`meshformer launch --nproc N CONFIG [--section.field VALUE ...]`: torchrun on one node, layout checked first.
+"""Start N training processes on this machine with torchrun. The layout (parallel_config) is checked against N before
+anything starts.
+
+`meshformer launch --nproc N CONFIG [--section.field VALUE ...]`: torchrun on one node, layout checked first.
 
 It checks that data_parallel x model_parallel x pipeline_stage equals N (one line, exit 2, no processes
 started), then runs torchrun's agent (`torch.distributed.run --standalone --nproc-per-node N -m meshformer train
@@ -20,6 +23,7 @@ from __future__ import annotations
 import shlex
 import sys
 
+from meshformer.cli.commands import add_command
 from meshformer.errors import UserError
 
 # Where the rendezvous listens when --master-port is given (one node: this machine's loopback).
@@ -30,12 +34,7 @@ MULTI_NODE = "launch runs on this machine only: for several nodes run torchrun o
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser(
-        "launch",
-        help="train on N processes of this machine (torchrun wrapper)",
-        description="Start N training processes on this machine with torchrun. The layout "
-        "(parallel_config) is checked against N before anything starts.",
-    )
+    p = add_command(sub, "launch", "train on N processes of this machine (torchrun wrapper)", __doc__)
     p.add_argument("--nproc", type=int, required=True, help="processes (devices) on this node")
     p.add_argument(
         "--master-port",

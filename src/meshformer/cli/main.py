@@ -1,6 +1,7 @@
 """`meshformer` command line: one sub-command per module in this folder.
 
-Each sub-command module exposes `add_parser(subparsers)` (which sets `func` on its parser). Bad input is
+Each sub-command module exposes `add_parser(subparsers)` (which sets `func` on its parser; cli/commands.py
+`add_command` makes the parser, described by the module's docstring). Bad input is
 raised as `UserError` anywhere below and reported here as one line with exit code 2.
 """
 
@@ -44,8 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
             "Pre-train and fine-tune Llama-family models from one YAML file, split across devices by parallel_config."
         ),
     )
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    sub.required = True
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name in COMMANDS:
         importlib.import_module(f"meshformer.cli.{name}_cmd").add_parser(sub)
     return parser

@@ -1,23 +1,22 @@
-"""`meshformer plan CONFIG [--devices N] [--nodes K] [--accelerator NAME] [--device-memory GB] [--json]`:
-memory per pipeline stage and predicted throughput of a config, before anything runs (planner/)."""
+"""Memory per pipeline stage (parameters, gradients, optimizer states, activations, logits, runtime, fragmentation) and
+step time, tokens/s and MFU of a config's layout on an accelerator.
+
+`meshformer plan CONFIG [--devices N] [--nodes K] [--accelerator NAME] [--device-memory GB] [--json]`: the
+planner's figures (planner/), before anything runs."""
 
 from __future__ import annotations
 
 import json
 import math
 
+from meshformer.cli.commands import add_command
 from meshformer.errors import UserError
 
 GIB = 1 << 30
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser(
-        "plan",
-        help="predict memory per stage and throughput of a config before running it",
-        description="Memory per pipeline stage (parameters, gradients, optimizer states, activations, logits, "
-        "runtime, fragmentation) and step time, tokens/s and MFU of a config's layout on an accelerator.",
-    )
+    p = add_command(sub, "plan", "predict memory per stage and throughput of a config before running it", __doc__)
     add_machine_arguments(p)
     p.add_argument("--json", action="store_true", help="print the plan as one JSON object")
     p.add_argument("--explain", action="store_true", help="print every formula with its numbers substituted")

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from meshformer.cli.commands import add_command
+
 # The image is drawn in memory, 4 bytes a pixel: 10000 x 10000 is 400 MB (matplotlib refuses 2**23 only).
 MIN_PIXELS, MAX_PIXELS = 200, 10000
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser(
-        "plot", help="plot loss, lr, grad norm, tokens/s and memory of runs", description=__doc__.split("\n\n")[0]
-    )
+    p = add_command(sub, "plot", "plot loss, lr, grad norm, tokens/s and memory of runs", __doc__)
     p.add_argument("runs", nargs="+", metavar="RUN_DIR", help="output_dir of a training run (several: overlaid)")
     p.add_argument("--output", required=True, metavar="FILE.png", help="where to write the image")
     p.add_argument("--width", type=int, default=1500, help="image width in pixels")

@@ -1,4 +1,7 @@
-"""`meshformer preprocess --input FILE [FILE ...] --tokenizer DIR --output DIR [--val-fraction F]
+"""Tokenize .txt/.jsonl/.json files into DIR (meta.json, tokenizer.json, {train,validation}.bin), dropping exact
+duplicate documents.
+
+`meshformer preprocess --input FILE [FILE ...] --tokenizer DIR --output DIR [--val-fraction F]
 [--keep-duplicates] [--overwrite] [--text-split file|paragraph|line] [--workers N] [--format megatron]`: text
 (.txt, .jsonl, .json, .parquet, .arrow, datasets.save_to_disk folders) -> packed token dataset (sequence length is
 chosen at training time) or a Megatron indexed dataset, streamed; instruction data (the same files, in alpaca,
@@ -11,17 +14,14 @@ from __future__ import annotations
 import argparse
 import os
 
+from meshformer.cli.commands import add_command
+
 SMALL_INPUT_BYTES = 16 << 20  # below this, worker processes cost more to start than they save
 MAX_DEFAULT_WORKERS = 8
 
 
 def add_parser(subparsers) -> None:
-    p = subparsers.add_parser(
-        "preprocess",
-        help="Tokenize text files into a packed training dataset.",
-        description="Tokenize .txt/.jsonl/.json files into DIR (meta.json, tokenizer.json, "
-        "{train,validation}.bin), dropping exact duplicate documents.",
-    )
+    p = add_command(subparsers, "preprocess", "Tokenize text files into a packed training dataset.", __doc__)
     p.add_argument(
         "--input",
         nargs="+",
@@ -164,35 +164,24 @@ def run(args: argparse.Namespace) -> int:
     from meshformer.data.preprocess import preprocess
 
     fmt = input_format(args)
+    paths = (args.input, args.tokenizer, args.output)
+    common = dict(template=args.template, val_fraction=args.val_fraction, overwrite=args.overwrite)
     if fmt in ("preference", "kto"):
         from meshformer.data.preference import DEFAULT_MAX_LENGTH, preprocess_preference
 
-        preprocess_preference(
-            args.input,
-            args.tokenizer,
-            args.output,
-            kind=fmt,
-            template=args.template,
-            max_length=DEFAULT_MAX_LENGTH if args.max_length is None else args.max_length,
-            truncation_mode=args.truncation_mode,
-            val_fraction=args.val_fraction,
-            overwrite=args.overwrite,
-        )
+        max_length = DEFAULT_MAX_LENGTH if args.max_length is None else args.max_length
+        preprocess_preference(*paths, kind=fmt, max_length=max_length, truncation_mode=args.truncation_mode, **common)
         return 0
     if fmt != "text":
         from meshformer.data.sft import preprocess_sft
 
         preprocess_sft(
-            args.input,
-            args.tokenizer,
-            args.output,
+            *paths,
             fmt=fmt,
-            template=args.template,
             seq_length=args.seq_length,
             overlong=args.overlong,
             train_on_prompt=args.train_on_prompt,
-            val_fraction=args.val_fraction,
-            overwrite=args.overwrite,
+            **common,
         )
         return 0
 

@@ -1,4 +1,7 @@
-"""`meshformer selfcheck [CONFIG]` under torchrun: is distributed communication working?
+"""Run under torchrun on every rank: prints rank, world size, backend and mesh coordinates, then checks all_reduce,
+all_gather and send/recv with a timeout.
+
+`meshformer selfcheck [CONFIG]` under torchrun: is distributed communication working?
 
 Prints each rank, the world size, the backend and (given a config) the rank's mesh coordinates, then checks
 all_reduce, all_gather and a send/recv ring, each bounded by --timeout seconds, so a missing or dead rank is
@@ -14,14 +17,11 @@ import datetime
 import os
 import socket
 
+from meshformer.cli.commands import add_command
+
 
 def add_parser(sub) -> None:
-    p = sub.add_parser(
-        "selfcheck",
-        help="check distributed communication (run under torchrun)",
-        description="Run under torchrun on every rank: prints rank, world size, backend and mesh "
-        "coordinates, then checks all_reduce, all_gather and send/recv with a timeout.",
-    )
+    p = add_command(sub, "selfcheck", "check distributed communication (run under torchrun)", __doc__)
     p.add_argument("config", nargs="?", default=None, help="optional YAML config: also build its device mesh")
     p.add_argument("--timeout", type=float, default=60.0, help="seconds each check may take (default 60)")
     p.set_defaults(func=run, accepts_overrides=True)

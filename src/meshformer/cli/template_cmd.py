@@ -3,11 +3,12 @@
 
 from __future__ import annotations
 
+from meshformer.cli.commands import add_command
+
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("template", help="check a chat template", description=__doc__.split("\n\n")[0])
-    verbs = p.add_subparsers(dest="verb", metavar="VERB")
-    verbs.required = True
+    p = add_command(sub, "template", "check a chat template", __doc__)
+    verbs = p.add_subparsers(dest="verb", metavar="VERB", required=True)
     c = verbs.add_parser("check", help="render, encode and decode sample conversations; report problems")
     c.add_argument("directory", help="a model directory, meshformer checkpoint or exported directory")
     c.add_argument("--template", default=None, help="check a built-in (chatml, llama3, llama2) or a .jinja file")

@@ -10,8 +10,7 @@ def add_parser(subparsers) -> None:
     p = subparsers.add_parser(
         "tokenizer", help="Train a tokenizer.", description="Tokenizer tools; `train` is the only verb for now."
     )
-    verbs = p.add_subparsers(dest="tokenizer_command", metavar="VERB")
-    verbs.required = True
+    verbs = p.add_subparsers(dest="tokenizer_command", metavar="VERB", required=True)
     t = verbs.add_parser(
         "train",
         help="Train a byte-level BPE tokenizer on text files.",

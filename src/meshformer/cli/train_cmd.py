@@ -1,15 +1,15 @@
-"""`meshformer train CONFIG [--section.field VALUE ...]` (also under torchrun: `torchrun ... -m meshformer train`)."""
+"""Train from a YAML config. Any field can be overridden with --section.field VALUE, e.g.
+--parallel_config.data_parallel 2 --model.model_config.num_layers 2.
+
+`meshformer train CONFIG [--section.field VALUE ...]` (also under torchrun: `torchrun ... -m meshformer train`)."""
 
 from __future__ import annotations
 
+from meshformer.cli.commands import add_command
+
 
 def add_parser(sub) -> None:
-    p = sub.add_parser(
-        "train",
-        help="train (pre-train or fine-tune) from a YAML config",
-        description="Train from a YAML config. Any field can be overridden with --section.field VALUE, "
-        "e.g. --parallel_config.data_parallel 2 --model.model_config.num_layers 2.",
-    )
+    p = add_command(sub, "train", "train (pre-train or fine-tune) from a YAML config", __doc__)
     p.add_argument("config", help="YAML config file (MindSpore Transformers field names)")
     p.add_argument(
         "--profile",

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from meshformer.config.fields import DTYPES, MODEL_CONFIGS, setting
+from meshformer.errors import UserError
 
 
 def type_field(name: str):
@@ -160,6 +161,12 @@ class ModelConfig:
     def validate(self, cfg) -> None:
         """The family's own cross-field rules (one UserError line each); `cfg` is the whole MeshformerConfig. The
         base checks nothing: config/validate.py checks what every decoder shares."""
+
+    def refuse_rope_scaling(self, why: str) -> None:
+        """For a family whose rotary takes no `rope_scaling` (its `validate`): one line naming the field, then `why`
+        and the fix."""
+        if self.rope_scaling.type != "none":
+            raise UserError(f"model.model_config.rope_scaling.type={self.rope_scaling.type}: {why}")
 
 
 @dataclass

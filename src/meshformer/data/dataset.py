@@ -115,6 +115,30 @@ def load_offsets(path: Path, samples: int, tokens: int) -> np.ndarray:
     return offsets.astype(np.int64)
 
 
+def map_masked_split(directory: Path, meta: dict, split: str, field: str, what: tuple[str, str]):
+    """(the split's entry in meta.json, its tokens, its loss mask) of a dataset of masked samples (SFT or preference:
+    data/masked_output.py); `what`: (what the split holds, what to give preprocess more of), for the message when
+    it holds none."""
+    info = meta["splits"].get(split) or {}
+    if not _is_int(info.get("samples")) or info["samples"] < 1:
+        raise UserError(
+            f"{field}={str(directory)!r} has no {split!r} {what[0]}: re-run `meshformer preprocess` with more "
+            f"{what[1]} (or a larger --val-fraction for validation)"
+        )
+    dtype = np.dtype(meta["dtype"]).newbyteorder("<")
+    tokens = map_array(directory / f"{split}.bin", dtype, info["tokens"], "tokens")
+    masks = map_array(directory / f"{split}.mask.bin", np.dtype(np.uint8), info["tokens"], "mask bytes")
+    return info, tokens, masks
+
+
+def pad_id(directory: Path, meta: dict) -> int:
+    """The token a dataset's rows are padded with: its tokenizer's pad token, else its EOS."""
+    pad = meta.get("pad_token_id") or meta.get("eos_token_id")
+    if not _is_int(pad):
+        raise UserError(f"{directory / 'meta.json'}: no integer pad_token_id or eos_token_id: re-run preprocess")
+    return int(pad)
+
+
 class PackedDataset:
     """Fixed-length samples over one split's memory-mapped token stream."""
 
@@ -196,20 +220,10 @@ class SFTDataset:
         self.dir = Path(dataset_dir)
         self.meta = read_meta(dataset_dir, field)
         self.split, self.seq_length = split, seq_length
-        info = self.meta["splits"].get(split) or {}
-        if not _is_int(info.get("samples")) or info["samples"] < 1:
-            raise UserError(
-                f"{field}={str(self.dir)!r} has no {split!r} samples: re-run `meshformer preprocess` with more "
-                f"conversations (or a larger --val-fraction for validation)"
-            )
-        dtype = np.dtype(self.meta["dtype"]).newbyteorder("<")
-        self.tokens = map_array(self.dir / f"{split}.bin", dtype, info["tokens"], "tokens")
-        self.masks = map_array(self.dir / f"{split}.mask.bin", np.dtype(np.uint8), info["tokens"], "mask bytes")
+        what = ("samples", "conversations")
+        info, self.tokens, self.masks = map_masked_split(self.dir, self.meta, split, field, what)
         self.offsets = load_offsets(self.dir / f"{split}.idx.npy", info["samples"], info["tokens"])
-        pad = self.meta.get("pad_token_id") or self.meta.get("eos_token_id")
-        if not _is_int(pad):
-            raise UserError(f"{self.dir / 'meta.json'}: no integer pad_token_id or eos_token_id: re-run preprocess")
-        self.pad = int(pad)
+        self.pad = pad_id(self.dir, self.meta)
         self.packing = packing
         lengths = np.minimum(np.diff(self.offsets), seq_length + 1)
         self.rows = pack_rows(lengths, seq_length + 1) if packing else [[i] for i in range(len(lengths))]

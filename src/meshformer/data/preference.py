@@ -22,10 +22,7 @@ rejected) and, for KTO, {split}.label.bin (uint8, 1 = desirable).
 
 from __future__ import annotations
 
-import hashlib
-import json
-import os
-import shutil
+import functools
 import time
 from pathlib import Path
 
@@ -33,12 +30,11 @@ import numpy as np
 from rich.console import Console
 from rich.markup import escape
 
-from meshformer.data.chat import load_chat_template, render_chat, template_tokens
+from meshformer.data.chat import render_chat, template_tokens
 from meshformer.data.documents import iter_records, json_type
+from meshformer.data.masked_output import open_tokenizer, publish_dataset, tokenizer_meta, write_split
 from meshformer.data.preference_records import KINDS, detect_kind, to_pair, to_unpaired
-from meshformer.data.preprocess import prepare_output, publish_with_meta
-from meshformer.data.sft import _write_split
-from meshformer.data.tokenizer import load_tokenizer, special_token_ids, vocab_size
+from meshformer.data.preprocess import prepare_output
 from meshformer.errors import UserError
 
 FORMAT = "meshformer-preference-v1"
@@ -105,17 +101,6 @@ def encode_example(enc: Encoder, example: dict, max_length: int | None, mode: st
         out.append((np.asarray(seq, np.int64), np.asarray(mask, np.uint8)))
         cut += int(was_cut)
     return {"sequences": out, "cut": cut, "prompt_tokens": len(prompt_ids)}
-
-
-def _open_tokenizer(tokenizer, template: str | None, needs_template: bool):
-    tok_dir = Path(tokenizer) if Path(tokenizer).is_dir() else Path(tokenizer).parent
-    tok = load_tokenizer(tokenizer)
-    tok.no_padding()
-    tok.no_truncation()
-    cfg_file = tok_dir / "tokenizer_config.json"
-    cfg = json.loads(cfg_file.read_text(encoding="utf-8")) if cfg_file.is_file() else {}
-    chat = load_chat_template(tok_dir, template) if (template or needs_template) else None
-    return tok, tok_dir, cfg, chat
 
 
 def _first_kind(paths, forced: str | None) -> str:
@@ -207,39 +192,22 @@ def preprocess_preference(
     paths, out, keep = prepare_output(inputs, tokenizer, output, val_fraction, overwrite, console)
     kind = _first_kind(paths, kind)
     needs_template = any(not isinstance(ex["prompt"], str) for _, _, ex in _first(read_examples(paths, kind)))
-    tok, tok_dir, tok_cfg, chat = _open_tokenizer(tokenizer, template, needs_template)
+    tok, tok_dir, tok_cfg, chat = open_tokenizer(tokenizer, template, needs_template)
     enc = Encoder(tok, chat, template_tokens(tok_cfg))
     splits, report, example = _tokenize_all(enc, paths, kind, max_length, truncation_mode, val_fraction)
-    ids_special, vocab = special_token_ids(tok, tok_dir), vocab_size(tok)
-    dtype = np.dtype("<u2") if vocab <= 1 << 16 else np.dtype("<u4")
     tok_bytes = (tok_dir / "tokenizer.json").read_bytes()
+    tok_keys, dtype = tokenizer_meta(tok, tok_dir, tok_bytes)
     meta = {
         "format": FORMAT,
         "kind": "pairs" if kind == "preference" else "unpaired",
-        "dtype": dtype.name,
-        "tokenizer_hash": hashlib.sha256(tok_bytes).hexdigest(),
-        "vocab_size": vocab,
-        "eos_token_id": ids_special["eos"],
-        "bos_token_id": ids_special["bos"],
-        "pad_token_id": ids_special["pad"],
+        **tok_keys,
         "max_length": max_length,
         "truncation_mode": truncation_mode,
         "report": report,
         "template_name": template,
     }
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    try:
-        meta["splits"] = {s: _write(tmp, s, d, dtype, kind) for s, d in splits.items()}
-        (tmp / "tokenizer.json").write_bytes(tok_bytes)
-        (tmp / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=1), encoding="utf-8")
-        if chat is not None:
-            (tmp / "chat_template.jinja").write_text(chat, encoding="utf-8")
-        meta = publish_with_meta(tmp, out, meta, paths, overwrite, keep)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    write = functools.partial(_write, kind=kind)
+    meta = publish_dataset(out, meta, splits, dtype, (tok_bytes, tok_cfg, chat), (paths, overwrite, keep), write)
     summary = {**meta, "output": str(out), "seconds": round(time.perf_counter() - t0, 3)}
     _print_report(console, summary, tok, example)
     return summary
@@ -253,7 +221,7 @@ def _first(iterator):
 
 
 def _write(tmp: Path, split: str, data: dict, dtype, kind: str) -> dict:
-    info = _write_split(tmp, split, data["ids"], data["masks"], dtype)
+    info = write_split(tmp, split, data, dtype)
     per = 2 if kind == "preference" else 1
     info = {"tokens": info["tokens"], "sequences": info["documents"], "samples": info["documents"] // per}
     if kind == "kto":

@@ -17,7 +17,7 @@ import torch
 
 from meshformer.data import protocol
 from meshformer.data.dataset import PREFERENCE_FORMAT as FORMAT  # = data/preference.py FORMAT (no torch there)
-from meshformer.data.dataset import _is_int, _tokenizer_of, load_offsets, map_array, read_meta
+from meshformer.data.dataset import _tokenizer_of, load_offsets, map_array, map_masked_split, pad_id, read_meta
 from meshformer.data.formats import register_dataset_format
 from meshformer.data.protocol import PreferenceSample
 from meshformer.errors import UserError
@@ -31,25 +31,15 @@ class PreferenceDataset:
         self.kind = self.meta.get("kind")
         if self.meta.get("format") != FORMAT or self.kind not in ("pairs", "unpaired"):
             raise UserError(f"{self.dir / 'meta.json'}: not a preference dataset: re-run `meshformer preprocess`")
-        info = self.meta["splits"].get(split) or {}
-        if not _is_int(info.get("samples")) or info["samples"] < 1:
-            raise UserError(
-                f"{field}={str(self.dir)!r} has no {split!r} preference examples: re-run `meshformer preprocess` "
-                f"with more records (or a larger --val-fraction for validation)"
-            )
-        dtype = np.dtype(self.meta["dtype"]).newbyteorder("<")
+        what = ("preference examples", "records")
+        info, self.tokens, self.masks = map_masked_split(self.dir, self.meta, split, field, what)
         self.per = 2 if self.kind == "pairs" else 1
         sequences = info["samples"] * self.per
-        self.tokens = map_array(self.dir / f"{split}.bin", dtype, info["tokens"], "tokens")
-        self.masks = map_array(self.dir / f"{split}.mask.bin", np.dtype(np.uint8), info["tokens"], "mask bytes")
         self.offsets = load_offsets(self.dir / f"{split}.idx.npy", sequences, info["tokens"])
         self.labels = None
         if self.kind == "unpaired":
             self.labels = map_array(self.dir / f"{split}.label.bin", np.dtype(np.uint8), info["samples"], "labels")
-        pad = self.meta.get("pad_token_id") or self.meta.get("eos_token_id")
-        if not _is_int(pad):
-            raise UserError(f"{self.dir / 'meta.json'}: no integer pad_token_id or eos_token_id: re-run preprocess")
-        self.pad = int(pad)
+        self.pad = pad_id(self.dir, self.meta)
         self.samples = info["samples"]
         _tokenizer_of(self)
 

@@ -25,10 +25,6 @@ Directory: meta.json, tokenizer.json, tokenizer_config.json, chat_template.jinja
 
 from __future__ import annotations
 
-import hashlib
-import json
-import os
-import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,10 +33,10 @@ import numpy as np
 from rich.console import Console
 from rich.markup import escape
 
-from meshformer.data.chat import load_chat_template, render_chat, template_tokens
+from meshformer.data.chat import render_chat, template_tokens
 from meshformer.data.documents import iter_records, json_type
-from meshformer.data.preprocess import prepare_output, publish_with_meta
-from meshformer.data.tokenizer import load_tokenizer, special_token_ids, vocab_size
+from meshformer.data.masked_output import open_tokenizer, publish_dataset, tokenizer_meta
+from meshformer.data.preprocess import prepare_output
 from meshformer.errors import UserError
 
 FORMAT = "meshformer-sft-v1"
@@ -220,17 +216,10 @@ def preprocess_sft(
     if fmt is not None and fmt not in FORMATS:
         raise UserError(f"--format {fmt!r}: one of {', '.join(FORMATS)}")
     paths, out, keep = prepare_output(inputs, tokenizer, output, val_fraction, overwrite, console)
-    tok_dir = Path(tokenizer) if Path(tokenizer).is_dir() else Path(tokenizer).parent
-    tok = load_tokenizer(tokenizer)
-    tok.no_padding()
-    tok.no_truncation()
+    tok, tok_dir, tok_cfg, chat_template = open_tokenizer(tokenizer, template)
     tok_bytes = (tok_dir / "tokenizer.json").read_bytes()
-    tok_cfg_file = tok_dir / "tokenizer_config.json"
-    tok_cfg = json.loads(tok_cfg_file.read_text(encoding="utf-8")) if tok_cfg_file.is_file() else {}
-    chat_template = load_chat_template(tok_dir, template)
     specials = template_tokens(tok_cfg)
-    ids_special, vocab = special_token_ids(tok, tok_dir), vocab_size(tok)
-    dtype = np.dtype("<u2") if vocab <= 1 << 16 else np.dtype("<u4")
+    tok_keys, dtype = tokenizer_meta(tok, tok_dir, tok_bytes)
     every = round(1 / val_fraction) if val_fraction > 0 else 0
 
     rules = _SampleRules(fmt, chat_template, specials, train_on_prompt, seq_length, overlong, every)
@@ -238,48 +227,21 @@ def preprocess_sft(
     if not splits["train"]["ids"]:
         raise UserError(f"--input: no usable samples in {', '.join(map(str, paths))}")
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    try:
-        meta_splits = {s: _write_split(tmp, s, d["ids"], d["masks"], dtype) for s, d in splits.items()}
-        (tmp / "tokenizer.json").write_bytes(tok_bytes)
-        (tmp / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=1), encoding="utf-8")
-        (tmp / "chat_template.jinja").write_text(chat_template, encoding="utf-8")
-        meta = {
-            "format": FORMAT,
-            "dtype": dtype.name,
-            "tokenizer_hash": hashlib.sha256(tok_bytes).hexdigest(),
-            "vocab_size": vocab,
-            "eos_token_id": ids_special["eos"],
-            "bos_token_id": ids_special["bos"],
-            "pad_token_id": ids_special["pad"],
-            "seq_length": seq_length,
-            "train_on_prompt": train_on_prompt,
-            "splits": meta_splits,
-            "report": report,
-            "format_detected": fmt,
-            "template_name": template,
-            "overlong": overlong,
-            "validation_lines": splits["validation"]["lines"],
-        }
-        meta = publish_with_meta(tmp, out, meta, paths, overwrite, keep)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    meta = {
+        "format": FORMAT,
+        **tok_keys,
+        "seq_length": seq_length,
+        "train_on_prompt": train_on_prompt,
+        "report": report,
+        "format_detected": fmt,
+        "template_name": template,
+        "overlong": overlong,
+        "validation_lines": splits["validation"]["lines"],
+    }
+    meta = publish_dataset(out, meta, splits, dtype, (tok_bytes, tok_cfg, chat_template), (paths, overwrite, keep))
     summary = {**meta, "output": str(out), "seconds": round(time.perf_counter() - t0, 3)}
     _print_report(console, summary, example)
     return summary
-
-
-def _write_split(d: Path, split: str, ids: list, masks: list, dtype) -> dict:
-    flat = np.concatenate(ids) if ids else np.zeros(0, dtype=np.int64)
-    (d / f"{split}.bin").write_bytes(flat.astype(dtype).tobytes())
-    (d / f"{split}.mask.bin").write_bytes((np.concatenate(masks) if masks else np.zeros(0, np.uint8)).tobytes())
-    offsets = np.zeros(len(ids) + 1, dtype=np.int64)
-    offsets[1:] = np.cumsum([len(x) for x in ids])
-    np.save(d / f"{split}.idx.npy", offsets, allow_pickle=False)
-    return {"tokens": int(flat.shape[0]), "documents": len(ids), "samples": len(ids)}
 
 
 def _count_roles(report, starts, messages, template, specials, mask) -> None:

@@ -8,8 +8,21 @@ Sampling follows the usual order: temperature, then top-k, then top-p (nucleus).
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
+from typing import TypedDict, Unpack
 
 import torch
+
+
+class Sampling(TypedDict, total=False):
+    """How each new token is drawn: the keywords of `generate`, `generate_batch` and `generate_stream` (defaults:
+    plain sampling at temperature 1, no top-k or top-p, no stop token, torch's global generator)."""
+
+    temperature: float  # 0: greedy
+    top_p: float
+    top_k: int  # 0: off
+    greedy: bool
+    eos_id: int | Iterable[int] | None  # a row stops after emitting one (included in its tokens)
+    generator: torch.Generator | None  # seeded: reproducible sampling
 
 
 def top_k_filter(logits: torch.Tensor, k: int) -> torch.Tensor:
@@ -78,12 +91,12 @@ def _steps(
     model,
     prompts: list[list[int]],
     max_new_tokens: int,
-    temperature: float,
-    top_p: float,
-    top_k: int,
-    greedy: bool,
-    eos_id: int | Iterable[int] | None,
-    generator: torch.Generator | None,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    greedy: bool = False,
+    eos_id: int | Iterable[int] | None = None,
+    generator: torch.Generator | None = None,
 ) -> Iterator[list[int | None]]:
     """Yield each step's new token per row (None for a row already done) until every row is done.
 
@@ -132,15 +145,7 @@ def _steps(
 
 
 def generate_batch(
-    model,
-    prompts: list[list[int]],
-    max_new_tokens: int,
-    temperature: float = 1.0,
-    top_p: float = 1.0,
-    top_k: int = 0,
-    greedy: bool = False,
-    eos_id: int | Iterable[int] | None = None,
-    generator: torch.Generator | None = None,
+    model, prompts: list[list[int]], max_new_tokens: int, **sampling: Unpack[Sampling]
 ) -> list[list[int]]:
     """Continue several prompts at once; returns each prompt's new tokens.
 
@@ -150,7 +155,7 @@ def generate_batch(
     Rows sample in order from one `generator`, so a batch of one draws what `generate` draws.
     """
     out: list[list[int]] = [[] for _ in prompts]
-    for emitted in _steps(model, prompts, max_new_tokens, temperature, top_p, top_k, greedy, eos_id, generator):
+    for emitted in _steps(model, prompts, max_new_tokens, **sampling):
         for row, tok in zip(out, emitted):
             if tok is not None:
                 row.append(tok)
@@ -158,32 +163,15 @@ def generate_batch(
 
 
 def generate_stream(
-    model,
-    prompt_ids: list[int] | torch.Tensor,
-    max_new_tokens: int,
-    temperature: float = 1.0,
-    top_p: float = 1.0,
-    top_k: int = 0,
-    greedy: bool = False,
-    eos_id: int | Iterable[int] | None = None,
-    generator: torch.Generator | None = None,
+    model, prompt_ids: list[int] | torch.Tensor, max_new_tokens: int, **sampling: Unpack[Sampling]
 ) -> Iterator[int]:
     """`generate`, one token at a time as each is sampled (the same tokens, the same draws from `generator`)."""
-    steps = _steps(model, [_as_ids(prompt_ids)], max_new_tokens, temperature, top_p, top_k, greedy, eos_id, generator)
-    for (tok,) in steps:
+    for (tok,) in _steps(model, [_as_ids(prompt_ids)], max_new_tokens, **sampling):
         yield tok
 
 
 def generate(
-    model,
-    prompt_ids: list[int] | torch.Tensor,
-    max_new_tokens: int,
-    temperature: float = 1.0,
-    top_p: float = 1.0,
-    top_k: int = 0,
-    greedy: bool = False,
-    eos_id: int | Iterable[int] | None = None,
-    generator: torch.Generator | None = None,
+    model, prompt_ids: list[int] | torch.Tensor, max_new_tokens: int, **sampling: Unpack[Sampling]
 ) -> list[int]:
     """Continue `prompt_ids` by up to `max_new_tokens` tokens; returns the new tokens only.
 
@@ -191,9 +179,7 @@ def generate(
     result). temperature 0 means greedy.
     Pass a seeded `generator` for reproducible sampling.
     """
-    return generate_batch(
-        model, [_as_ids(prompt_ids)], max_new_tokens, temperature, top_p, top_k, greedy, eos_id, generator
-    )[0]
+    return generate_batch(model, [_as_ids(prompt_ids)], max_new_tokens, **sampling)[0]
 
 
-__all__ = ["generate", "generate_batch", "generate_stream", "next_token", "top_k_filter", "top_p_filter"]
+__all__ = ["Sampling", "generate", "generate_batch", "generate_stream", "next_token", "top_k_filter", "top_p_filter"]

@@ -250,6 +250,33 @@ def register_family(family: ModelFamily) -> ModelFamily:
     return family
 
 
+# The tensor hooks of ModelFamily a folder's hf.py supplies by defining a function of the field's name
+HF_TENSOR_HOOKS = ("to_hf", "from_hf", "from_hf_tensors", "to_hf_tensors", "to_hf_for")
+
+
+def folder_family(name: str, build: Callable, config, hf, model, gguf=None, **particular) -> ModelFamily:
+    """The family of folder `name` from its modules, by the names each defines: config.py's `CONFIG_CLASSES` and
+    `SHAPE_FIELDS`; hf.py's `HF_MODEL_TYPES`, `config_from_hf`, `config_to_hf` and whichever tensor hooks
+    (`HF_TENSOR_HOOKS`) it defines; the model module's `tp_plan` and `param_count`; gguf.py's `GGUF_NAMES` when
+    given. `particular`: the family's own ModelFamily fields, which also replace a tensor hook or the GGUF names.
+    The first eight fields go by position, in ModelFamily's order."""
+    found = {hook: getattr(hf, hook) for hook in HF_TENSOR_HOOKS if hasattr(hf, hook)}
+    if gguf is not None:
+        found["gguf_names"] = gguf.GGUF_NAMES
+    return ModelFamily(
+        name,
+        config.CONFIG_CLASSES,
+        hf.HF_MODEL_TYPES,
+        build,
+        model.tp_plan,
+        model.param_count,
+        hf.config_from_hf,
+        hf.config_to_hf,
+        shape_fields=config.SHAPE_FIELDS,
+        **{**found, **particular},
+    )
+
+
 def unregister_family(name: str) -> None:
     gone = _FAMILIES.pop(name, None)
     if gone is not None:
@@ -303,6 +330,19 @@ def family_for_hf(hf: dict, where: str) -> tuple[ModelFamily, str]:
         f"{where}: architecture {named!r} is not supported (supported: {', '.join(by_class)}); "
         f"convert a model of one of these families"
     )
+
+
+def hf_model_type(hf: dict, hf_model_types: dict[str, str], where: str, expected: str) -> str:
+    """Which of a family's Hugging Face model types (`hf_model_types`: model_type -> architecture class) a
+    config.json is, by its `architectures` or else its `model_type` (as `family_for_hf` found the family);
+    `expected` names them in the one-line error."""
+    by_class = {arch: mt for mt, arch in hf_model_types.items()}
+    for arch in hf.get("architectures") or []:
+        if arch in by_class:
+            return by_class[arch]
+    if hf.get("model_type") in hf_model_types:
+        return hf["model_type"]
+    raise UserError(f"{where}: not a {expected} config.json")
 
 
 def family_for_gguf(arch: str) -> tuple[ModelFamily, GgufArch] | None:

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 from meshformer.config.schema import MeshformerConfig
 from meshformer.models.registry import family_of
+from meshformer.parallel.batch_plan import BatchPlan
 from meshformer.parallel.dims import ParallelDims
 from meshformer.planner.accelerators import Accelerator
 from meshformer.planner.context_parallel import local_config, with_context_parallel
@@ -169,7 +170,8 @@ def make_plan(
         reserved = int(allocated * (1 + FRAGMENTATION) + acc.runtime(dims))
         stages.append(StagePlan(st, logits, step_tmp, gathered, allocated, reserved, int(mem - reserved), host, second))
     swapped = max(st.memory.swapped_bytes for st in stages) * max(1, n_micro) / max(1, stages[0].memory.in_flight)
-    throughput = predict(cfg, dims, acc, micro_batch, n_micro, nodes, swapped)
+    batch = BatchPlan(micro_batch, n_micro, micro_batch * n_micro * dims.dp)
+    throughput = predict(cfg, dims, acc, batch, nodes, swapped)
     return Plan(cfg, dims, acc, mem, nodes, micro_batch, n_micro, stages, throughput, moe)
 
 

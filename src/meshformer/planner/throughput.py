@@ -37,6 +37,7 @@ from dataclasses import dataclass
 
 from meshformer.config.schema import MeshformerConfig
 from meshformer.models.registry import family_of
+from meshformer.parallel.batch_plan import BatchPlan
 from meshformer.parallel.dims import ParallelDims
 from meshformer.planner.accelerators import Accelerator
 from meshformer.planner.experts import expert_figures
@@ -87,20 +88,14 @@ def bubble_fraction(cfg: MeshformerConfig, n_micro: int) -> float:
 
 
 def predict(
-    cfg: MeshformerConfig,
-    dims: ParallelDims,
-    acc: Accelerator,
-    micro_batch: int,
-    n_micro: int,
-    nodes: int = 1,
-    swapped_bytes: float | None = None,
+    cfg: MeshformerConfig, dims: ParallelDims, acc: Accelerator, batch: BatchPlan, nodes: int, swapped_bytes: float
 ) -> Throughput:
     """`swapped_bytes`: activation bytes a rank sends to host memory (and back) per step (swap_config)."""
     mc = cfg.model.model_config
     low = mc.compute_dtype != "float32"
     peak = acc.peak_bf16 if low else acc.peak_fp32
     a = 2 if low else 4
-    global_batch = micro_batch * n_micro * dims.dp
+    micro_batch, n_micro, global_batch = batch.micro_batch, batch.n_micro, batch.global_batch
     tokens = global_batch * mc.seq_length
     fpt = flops_per_token(cfg)
     model_flops = fpt * tokens
@@ -135,8 +130,7 @@ def predict(
     tp_s, dp_s, pp_s = tp_bytes / tp_bw, dp_bytes / dp_bw, pp_bytes / pp_bw
     ep_s = ep_bytes / (acc.intra_bw if dims.ep * dims.tp <= per_node else acc.inter_bw)
     cp_s = cp_bytes / (acc.intra_bw if dims.cp * dims.tp <= per_node else acc.inter_bw)
-    swap_bytes = swapped_bytes if swapped_bytes is not None else 0.0
-    swap_t = swap_bytes / acc.host_bw
+    swap_t = swapped_bytes / acc.host_bw
     swap_s = max(0.0, swap_t - compute / 3) + max(0.0, swap_t - 2 * compute / 3)
     step = compute / (1 - bubble) + tp_s + pp_s + ep_s + cp_s + swap_s + max(0.0, dp_s - 0.8 * compute)
     return Throughput(
@@ -155,7 +149,7 @@ def predict(
         tokens / step,
         global_batch / step,
         model_flops / step / (world * peak),
-        swap_bytes,
+        swapped_bytes,
         swap_s,
         ep_bytes,
         ep_s,

@@ -23,8 +23,9 @@ import torch
 from meshformer.config.schema import ModelConfig
 from meshformer.errors import UserError
 from meshformer.models.deepseek.config import YarnRopeScalingConfig
-from meshformer.models.llama.hf import common_fields, common_hf
+from meshformer.models.llama.hf import common_fields, common_hf, refuse_first
 from meshformer.models.moe.hf_experts import split_experts, stack_experts
+from meshformer.models.registry import hf_model_type
 
 # Hugging Face model_type -> (our model_config.type, architecture class)
 CONFIG_TYPES = {
@@ -34,16 +35,6 @@ CONFIG_TYPES = {
 HF_MODEL_TYPES = {mt: arch for mt, (_, arch) in CONFIG_TYPES.items()}
 EXPERT_LEAVES = {"gate_proj": "gate_proj", "up_proj": "up_proj", "down_proj": "down_proj"}
 YARN_KEYS = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale", "mscale_all_dim")
-
-
-def _model_type(hf: dict, where: str) -> str:
-    for arch in hf.get("architectures") or []:
-        for mt, (_, cls) in CONFIG_TYPES.items():
-            if arch == cls:
-                return mt
-    if hf.get("model_type") in CONFIG_TYPES:
-        return hf["model_type"]
-    raise UserError(f"{where}: not a DeepSeek-V2 or DeepSeek-V3 config.json")
 
 
 def _rope(hf: dict, where: str) -> tuple[float, dict]:
@@ -90,14 +81,12 @@ def _refuse_unsupported(hf: dict, model_type: str, where: str) -> None:
         ),
         "kv_lora_rank": (not isinstance(hf.get("kv_lora_rank"), int), "missing (latent attention needs it)"),
     }
-    for key, (bad, what) in problems.items():
-        if bad:
-            raise UserError(f"{where}: {key} {what} is not supported by meshformer's DeepSeek model")
+    refuse_first(problems, where, "DeepSeek model")
 
 
 def config_from_hf(hf: dict, where: str = "config.json") -> dict:
     """The `model.model_config` fields (a dict for the config loader) of a DeepSeek-V2/V3 config.json."""
-    model_type = _model_type(hf, where)
+    model_type = hf_model_type(hf, HF_MODEL_TYPES, where, "DeepSeek-V2 or DeepSeek-V3")
     _refuse_unsupported(hf, model_type, where)
     required = (
         "hidden_size",

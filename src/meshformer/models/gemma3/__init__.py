@@ -7,8 +7,5 @@ Importing the package imports none of them (no torch): its attributes load on fi
 from meshformer.models.lazy import lazy_exports
 
 __getattr__, __dir__, __all__ = lazy_exports(
-    __name__,
-    family=("GEMMA3",),
-    config=("Gemma3Config",),
-    model=("Gemma3DecoderLayer", "Gemma3Transformer"),
+    __name__, family=("GEMMA3",), config=("Gemma3Config",), model=("Gemma3DecoderLayer", "Gemma3Transformer")
 )

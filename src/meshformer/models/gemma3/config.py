@@ -72,11 +72,9 @@ class Gemma3Config(ModelConfig):
                     f"{where}.layer_types={self.layer_types}: give num_layers={self.num_layers} entries, each "
                     f"{SLIDING} or {FULL} (or leave it unset for sliding_window_pattern)"
                 )
-        if self.rope_scaling.type != "none":
-            raise UserError(
-                f"{where}.rope_scaling.type={self.rope_scaling.type}: Gemma 3 scales only its global layers, "
-                f"linearly: set rope_scaling.type none and global_rope_scaling_factor"
-            )
+        self.refuse_rope_scaling(
+            "Gemma 3 scales only its global layers, linearly: set rope_scaling.type none and global_rope_scaling_factor"
+        )
         super().validate(cfg)
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 from meshformer.config.schema import ModelConfig
 from meshformer.errors import UserError
 from meshformer.models.gemma3.config import FULL, SLIDING
-from meshformer.models.llama.hf import common_fields
+from meshformer.models.llama.hf import common_fields, hf_sizes, hf_vocabulary, refuse_first
 
 HF_MODEL_TYPES = {"gemma3_text": "Gemma3ForCausalLM"}
 ROPE_KEYS = ("rope_theta", "rope_scaling", "rope_parameters", "rope_local_base_freq")
@@ -61,9 +61,7 @@ def _refuse_unsupported(hf: dict, where: str) -> None:
         "attn_logit_softcapping": (hf.get("attn_logit_softcapping") is not None, "set (attention softcapping)"),
         "use_bidirectional_attention": (bool(hf.get("use_bidirectional_attention")), "true"),
     }
-    for key, (bad, what) in problems.items():
-        if bad:
-            raise UserError(f"{where}: {key} {what} is not supported by meshformer's Gemma 3 model")
+    refuse_first(problems, where, "Gemma 3 model")
 
 
 def _layer_types(hf: dict, where: str) -> list | None:
@@ -105,14 +103,7 @@ def config_to_hf(mc: ModelConfig, dtype: str) -> dict:
     factor = mc.global_rope_scaling_factor
     scalar = mc.query_pre_attn_scalar
     return {
-        "architectures": ["Gemma3ForCausalLM"],
-        "model_type": "gemma3_text",
-        "hidden_size": mc.hidden_size,
-        "intermediate_size": mc.ffn_hidden_size,
-        "num_hidden_layers": mc.num_layers,
-        "num_attention_heads": mc.num_heads,
-        "num_key_value_heads": mc.num_kv_heads,
-        "head_dim": mc.dim_per_head,
+        **hf_sizes(mc, "gemma3_text", "Gemma3ForCausalLM"),
         "hidden_activation": "gelu_pytorch_tanh",
         "rms_norm_eps": mc.rms_norm_eps,
         "rope_theta": mc.theta,
@@ -125,11 +116,5 @@ def config_to_hf(mc: ModelConfig, dtype: str) -> dict:
         "attention_bias": False,
         "final_logit_softcapping": None,
         "attn_logit_softcapping": None,
-        "max_position_embeddings": mc.max_position_embedding or mc.seq_length,
-        "vocab_size": mc.vocab_size,
-        "tie_word_embeddings": mc.tie_word_embeddings,
-        "bos_token_id": mc.bos_token_id,
-        "eos_token_id": mc.eos_token_id,
-        "pad_token_id": mc.pad_token_id,
-        "torch_dtype": dtype,
+        **hf_vocabulary(mc, dtype),
     }

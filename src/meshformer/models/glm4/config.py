@@ -51,11 +51,7 @@ class Glm4Config(LlamaConfig):
             )
         if self.use_qk_norm:
             raise UserError("model.model_config.use_qk_norm=True: GLM-4 has no q/k norms (set it false)")
-        if self.rope_scaling.type != "none":
-            raise UserError(
-                f"model.model_config.rope_scaling.type={self.rope_scaling.type}: GLM-4's partial rotary is not scaled "
-                f"in meshformer (set rope_scaling.type: none)"
-            )
+        self.refuse_rope_scaling("GLM-4's partial rotary is not scaled in meshformer (set rope_scaling.type: none)")
         super().validate(cfg)
 
 

@@ -1,29 +1,12 @@
-"""The GLM-4 family's entry in the model-family registry (models/registry.py `BUILTIN_FAMILIES` names the
-folder; the registry imports this module on first use)."""
+"""The GLM-4 family's entry in the model-family registry: what its folder's modules do not say by their names."""
 
-from meshformer.models.glm4.config import CONFIG_CLASSES, SHAPE_FIELDS
-from meshformer.models.glm4.gguf import GGUF_NAMES
-from meshformer.models.glm4.hf import HF_MODEL_TYPES, config_from_hf, config_to_hf, join_gate_up, split_gate_up
-from meshformer.models.glm4.model import Glm4Transformer, param_count, tp_plan
-from meshformer.models.llama.model import Attention
-from meshformer.models.registry import ModelFamily, register_family
+from meshformer.models.glm4 import config, gguf, hf, model
+from meshformer.models.llama.model import CP_ATTENTION
+from meshformer.models.registry import folder_family, register_family
 
-GLM4 = ModelFamily(
-    name="glm4",
-    config_types=CONFIG_CLASSES,
-    hf_model_types=HF_MODEL_TYPES,
-    build=Glm4Transformer,
-    tp_plan=tp_plan,
-    param_count=param_count,
-    config_from_hf=config_from_hf,
-    config_to_hf=config_to_hf,
-    from_hf_tensors=split_gate_up,
-    to_hf_tensors=join_gate_up,
-    gguf_names=GGUF_NAMES,
-    # None: the planner counts activations on the real modules (planner/counted_activations.py), which keep the
-    # two post-block norms' inputs that Llama's formulas leave out
-    activation_model=None,
-    shape_fields=SHAPE_FIELDS,
-    cp_attention={Attention: {"attend": "attend"}},
+# activation_model None: the planner counts activations on the real modules (planner/counted_activations.py), which
+# keep the two post-block norms' inputs that Llama's formulas leave out
+GLM4 = folder_family(
+    "glm4", model.Glm4Transformer, config, hf, model, gguf, activation_model=None, cp_attention=CP_ATTENTION
 )
 register_family(GLM4)

@@ -58,7 +58,7 @@ def config_to_hf(mc: ModelConfig, dtype: str) -> dict:
     return {**hf, "attention_bias": mc.qkv_has_bias, "partial_rotary_factor": mc.partial_rotary_factor}
 
 
-def split_gate_up(state: dict) -> dict:
+def from_hf_tensors(state: dict) -> dict:
     """Each layer's fused gate_up_proj -> our gate_proj (first half) and up_proj (second half)."""
     out = {}
     for name, tensor in state.items():
@@ -73,7 +73,7 @@ def split_gate_up(state: dict) -> dict:
     return out
 
 
-def join_gate_up(state: dict) -> dict:
+def to_hf_tensors(state: dict) -> dict:
     """Our gate_proj and up_proj of each layer -> Hugging Face's fused gate_up_proj (gate first). One without its
     partner (a LoRA adapter of gate_proj alone: models/lora.py asks for its name) has no Hugging Face spelling."""
     out = {}

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from meshformer.config.schema import ModelConfig
 from meshformer.errors import UserError
+from meshformer.models.registry import hf_model_type
 
 # Hugging Face model_type -> (our family type, architecture class name, that class's tie_word_embeddings default)
 CONFIG_TYPES = {
@@ -19,19 +20,16 @@ CONFIG_TYPES = {
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", False),
 }
 
-ARCHITECTURES = {arch: model_type for model_type, (_, arch, _) in CONFIG_TYPES.items()}
 # What the registry matches a config.json by: model_type -> architecture class name
-HF_MODEL_TYPES = {model_type: arch for arch, model_type in ARCHITECTURES.items()}
+HF_MODEL_TYPES = {model_type: arch for model_type, (_, arch, _) in CONFIG_TYPES.items()}
 
 
-def model_type_of(hf: dict, where: str) -> str:
-    """The model_type of one of this family's config.json files (the registry found the family by the same keys)."""
-    for arch in hf.get("architectures") or []:
-        if arch in ARCHITECTURES:
-            return ARCHITECTURES[arch]
-    if hf.get("model_type") in HF_MODEL_TYPES:
-        return hf["model_type"]
-    raise UserError(f"{where}: not a Llama-, Qwen2- or Qwen3-family config.json")
+def refuse_first(problems: dict[str, tuple[bool, str]], where: str, model: str = "model", sep: str = " ") -> None:
+    """One line naming the first of a config.json's `problems` ({key: (whether it is there, what it is)}) that
+    meshformer's `model` does not build."""
+    for key, (bad, what) in problems.items():
+        if bad:
+            raise UserError(f"{where}: {key}{sep}{what} is not supported by meshformer's {model}")
 
 
 def _rope(hf: dict, where: str) -> tuple[float, dict]:
@@ -66,14 +64,12 @@ def _refuse_unsupported(hf: dict, model_type: str, where: str) -> None:
         "mlp_bias": (bool(hf.get("mlp_bias")), "true"),
         "use_sliding_window": (bool(hf.get("use_sliding_window")), "true (sliding-window attention)"),
     }
-    for key, (bad, what) in problems.items():
-        if bad:
-            raise UserError(f"{where}: {key} {what} is not supported by meshformer's model")
+    refuse_first(problems, where)
 
 
 def config_from_hf(hf: dict, where: str = "config.json") -> dict:
     """The `model.model_config` fields (a dict for the config loader) of a Hugging Face config.json."""
-    model_type = model_type_of(hf, where)
+    model_type = hf_model_type(hf, HF_MODEL_TYPES, where, "Llama-, Qwen2- or Qwen3-family")
     family, _, tied_default = CONFIG_TYPES[model_type]
     _refuse_unsupported(hf, model_type, where)
     return {
@@ -152,6 +148,18 @@ def common_hf(mc: ModelConfig, model_type: str, architecture: str, dtype: str) -
     elif rs.type != "none":
         raise UserError(f"model_config.rope_scaling.type={rs.type} has no {architecture} spelling: use none or llama3")
     return {
+        **hf_sizes(mc, model_type, architecture),
+        "hidden_act": "silu",
+        "rms_norm_eps": mc.rms_norm_eps,
+        "rope_theta": mc.theta,
+        "rope_scaling": scaling,
+        **hf_vocabulary(mc, dtype),
+    }
+
+
+def hf_sizes(mc: ModelConfig, model_type: str, architecture: str) -> dict:
+    """config.json's first keys in every family's spelling: the architecture and the layer sizes."""
+    return {
         "architectures": [architecture],
         "model_type": model_type,
         "hidden_size": mc.hidden_size,
@@ -160,10 +168,12 @@ def common_hf(mc: ModelConfig, model_type: str, architecture: str, dtype: str) -
         "num_attention_heads": mc.num_heads,
         "num_key_value_heads": mc.num_kv_heads,
         "head_dim": mc.dim_per_head,
-        "hidden_act": "silu",
-        "rms_norm_eps": mc.rms_norm_eps,
-        "rope_theta": mc.theta,
-        "rope_scaling": scaling,
+    }
+
+
+def hf_vocabulary(mc: ModelConfig, dtype: str) -> dict:
+    """config.json's last keys in every family's spelling: positions, vocabulary, tying, special tokens, dtype."""
+    return {
         "max_position_embeddings": mc.max_position_embedding or mc.seq_length,
         "vocab_size": mc.vocab_size,
         "tie_word_embeddings": mc.tie_word_embeddings,

@@ -301,6 +301,10 @@ class Transformer(nn.Module):
         return KVCache(mc.num_layers, batch, mc.num_kv_heads, max_len, mc.dim_per_head, p.dtype, p.device, windows)
 
 
+# What context parallelism (parallel/context_parallel.py) installs on this attention: every family built on it
+CP_ATTENTION = {Attention: {"attend": "attend"}}
+
+
 def tp_plan(model: nn.Module) -> dict[str, str]:
     """How tensor parallelism splits this family: module-path globs -> style names (parallel/tp.py says what
     each name does). Megatron's recipe: q/k/v and gate/up column-parallel, o and down row-parallel, so each

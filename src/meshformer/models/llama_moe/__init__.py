@@ -6,7 +6,5 @@ Importing the package imports none of them (no torch): its attributes load on fi
 from meshformer.models.lazy import lazy_exports
 
 __getattr__, __dir__, __all__ = lazy_exports(
-    __name__,
-    family=("LLAMA_MOE",),
-    model=("MoeDecoderLayer", "MoeTransformer", "param_count", "tp_plan"),
+    __name__, family=("LLAMA_MOE",), model=("MoeDecoderLayer", "MoeTransformer", "param_count", "tp_plan")
 )

@@ -1,33 +1,8 @@
-"""The MoE Llama family's entry in the model-family registry (models/registry.py `BUILTIN_FAMILIES` names the
-folder; the registry imports this module on first use)."""
+"""The MoE Llama family's entry in the model-family registry: what its folder's modules do not say by their names."""
 
-from meshformer.models.llama.model import Attention
-from meshformer.models.llama_moe.config import CONFIG_CLASSES, SHAPE_FIELDS
-from meshformer.models.llama_moe.hf import (
-    HF_MODEL_TYPES,
-    config_from_hf,
-    config_to_hf,
-    from_hf,
-    from_hf_tensors,
-    to_hf_for,
-)
-from meshformer.models.llama_moe.model import MoeTransformer, param_count, tp_plan
-from meshformer.models.registry import ModelFamily, register_family
+from meshformer.models.llama.model import CP_ATTENTION
+from meshformer.models.llama_moe import config, hf, model
+from meshformer.models.registry import folder_family, register_family
 
-LLAMA_MOE = ModelFamily(
-    name="llama_moe",
-    config_types=CONFIG_CLASSES,
-    hf_model_types=HF_MODEL_TYPES,
-    build=MoeTransformer,
-    tp_plan=tp_plan,
-    param_count=param_count,
-    config_from_hf=config_from_hf,
-    config_to_hf=config_to_hf,
-    from_hf=from_hf,
-    from_hf_tensors=from_hf_tensors,
-    to_hf_for=to_hf_for,
-    moe=True,
-    shape_fields=SHAPE_FIELDS,
-    cp_attention={Attention: {"attend": "attend"}},
-)
+LLAMA_MOE = folder_family("llama_moe", model.MoeTransformer, config, hf, model, moe=True, cp_attention=CP_ATTENTION)
 register_family(LLAMA_MOE)

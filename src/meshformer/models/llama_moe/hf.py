@@ -23,9 +23,9 @@ import torch
 
 from meshformer.config.schema import ModelConfig
 from meshformer.errors import UserError
-from meshformer.models.llama.hf import common_fields, common_hf
+from meshformer.models.llama.hf import common_fields, common_hf, refuse_first
 from meshformer.models.moe.hf_experts import split_experts, stack_experts
-from meshformer.models.registry import hf_prefixed, hf_unprefixed
+from meshformer.models.registry import hf_model_type, hf_prefixed, hf_unprefixed
 
 # Hugging Face model_type -> (our model_config.type, architecture class)
 CONFIG_TYPES = {
@@ -34,21 +34,11 @@ CONFIG_TYPES = {
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
 }
 HF_MODEL_TYPES = {mt: arch for mt, (_, arch) in CONFIG_TYPES.items()}
-_BY_ARCH = {arch: mt for mt, arch in HF_MODEL_TYPES.items()}
 _BY_TYPE = {ours: mt for mt, (ours, _) in CONFIG_TYPES.items()}
 
 # Hugging Face's per-expert leaf -> our stacked parameter
 MIXTRAL_LEAVES = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 QWEN_LEAVES = {"gate_proj": "gate_proj", "up_proj": "up_proj", "down_proj": "down_proj"}
-
-
-def _model_type(hf: dict, where: str) -> str:
-    for arch in hf.get("architectures") or []:
-        if arch in _BY_ARCH:
-            return _BY_ARCH[arch]
-    if hf.get("model_type") in CONFIG_TYPES:
-        return hf["model_type"]
-    raise UserError(f"{where}: not a Mixtral, Qwen2-MoE or Qwen3-MoE config.json")
 
 
 def _int(hf: dict, where: str, *keys: str) -> int:
@@ -84,14 +74,12 @@ def _refuse(hf: dict, model_type: str, where: str) -> None:
             f"{hf.get('router_jitter_noise')} (training-time noise on router inputs): set it to 0.0",
         ),
     }
-    for key, (bad, what) in problems.items():
-        if bad:
-            raise UserError(f"{where}: {key}={what} is not supported by meshformer's model")
+    refuse_first(problems, where, sep="=")
 
 
 def config_from_hf(hf: dict, where: str = "config.json") -> dict:
     """The `model.model_config` fields (moe_config included) of a Mixtral / Qwen2-MoE / Qwen3-MoE config.json."""
-    model_type = _model_type(hf, where)
+    model_type = hf_model_type(hf, HF_MODEL_TYPES, where, "Mixtral, Qwen2-MoE or Qwen3-MoE")
     _refuse(hf, model_type, where)
     experts = _int(
         hf, where, *(("num_local_experts",) if model_type == "mixtral" else ("num_experts", "num_local_experts"))

@@ -8,8 +8,5 @@ Importing the package imports none of them (no torch): its attributes load on fi
 from meshformer.models.lazy import lazy_exports
 
 __getattr__, __dir__, __all__ = lazy_exports(
-    __name__,
-    family=("MISTRAL",),
-    config=("MistralConfig",),
-    model=("MistralDecoderLayer", "MistralTransformer"),
+    __name__, family=("MISTRAL",), config=("MistralConfig",), model=("MistralDecoderLayer", "MistralTransformer")
 )

@@ -1,25 +1,18 @@
-"""The Mistral family's entry in the model-family registry (models/registry.py `BUILTIN_FAMILIES` names the
-folder; the registry imports this module on first use)."""
+"""The Mistral family's entry in the model-family registry: what its folder's modules do not say by their names."""
 
-from meshformer.models.llama.model import Attention, param_count, tp_plan
-from meshformer.models.mistral.config import CONFIG_CLASSES, SHAPE_FIELDS
-from meshformer.models.mistral.hf import HF_MODEL_TYPES, config_from_hf, config_to_hf
-from meshformer.models.mistral.model import MistralTransformer
-from meshformer.models.registry import ModelFamily, register_family
+from meshformer.models.llama import model as llama_model
+from meshformer.models.mistral import config, hf, model
+from meshformer.models.registry import folder_family, register_family
 
-MISTRAL = ModelFamily(
-    name="mistral",
-    config_types=CONFIG_CLASSES,
-    hf_model_types=HF_MODEL_TYPES,
-    build=MistralTransformer,
-    tp_plan=tp_plan,
-    param_count=param_count,
-    config_from_hf=config_from_hf,
-    config_to_hf=config_to_hf,
-    # None: the planner counts activations on the real modules (planner/counted_activations.py), which keep the
-    # window's banded mask that Llama's formulas leave out
+# Llama's weights, so Llama's count and TP plan. activation_model None: the planner counts activations on the real
+# modules (planner/counted_activations.py), which keep the window's banded mask that Llama's formulas leave out
+MISTRAL = folder_family(
+    "mistral",
+    model.MistralTransformer,
+    config,
+    hf,
+    llama_model,
     activation_model=None,
-    shape_fields=SHAPE_FIELDS,
-    cp_attention={Attention: {"attend": "attend"}},
+    cp_attention=llama_model.CP_ATTENTION,
 )
 register_family(MISTRAL)

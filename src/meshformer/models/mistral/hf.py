@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from meshformer.config.schema import ModelConfig
 from meshformer.errors import UserError
-from meshformer.models.llama.hf import common_fields, common_hf
+from meshformer.models.llama.hf import common_fields, common_hf, refuse_first
 
 HF_MODEL_TYPES = {"mistral": "MistralForCausalLM"}
 
@@ -33,9 +33,7 @@ def config_from_hf(hf: dict, where: str = "config.json") -> dict:
         "attention_bias": (bool(hf.get("attention_bias")), "true"),
         "mlp_bias": (bool(hf.get("mlp_bias")), "true"),
     }
-    for key, (bad, what) in problems.items():
-        if bad:
-            raise UserError(f"{where}: {key} {what} is not supported by meshformer's Mistral model")
+    refuse_first(problems, where, "Mistral model")
     return {"type": "MistralConfig", **common_fields(hf, where), "sliding_window": _window(hf, where)}
 
 
