@@ -44,7 +44,7 @@ from meshformer.train.run_dir import RunDir
 from meshformer.train.run_metrics import RunMetrics
 from meshformer.train.skips import SkippedSteps
 from meshformer.train.spikes import SpikeDetector
-from meshformer.train.step import StepResult, build_parts, clip_threshold, train_step
+from meshformer.train.step import StepResult, build_parts, build_reference, clip_threshold, train_step
 
 
 class Trainer:
@@ -112,12 +112,15 @@ class Trainer:
         self.expected_shapes = {k: tuple(v.shape) for k, v in built.model.state_dict().items()}
         self.optimizer = Optimizers(self.parts.parts, cfg)
         self.schedule = Schedule(self.optimizer, cfg, self.total_steps)
+        self.objective = built.objective  # a preference run's loss, with its frozen reference
+        if self.objective is not None:
+            self.objective.reference = build_reference(cfg, self.env, self.parts)
 
     def _start_state(self) -> None:
         """The components at step 0, then the checkpoint to resume from or the weights to start from."""
         cfg, log = self.cfg, self.console.log
         self.start_step = 0
-        self.evaluation = Evaluation(cfg, self.env, self.data, log)
+        self.evaluation = Evaluation(cfg, self.env, self.data, log, self.objective)
         self.skips = SkippedSteps(cfg.runner_wrapper.max_consecutive_skips, log)
         self.scaler = LossScaler.from_config(cfg)  # fp16: dynamic loss scaling (train/loss_scale.py)
         self.metrics = RunMetrics(cfg, self.env, self.out, self.plan, self.console)
@@ -126,6 +129,22 @@ class Trainer:
             self._restore(self.resume_from)
         elif cfg.load_checkpoint:
             self._load_base_weights(Path(cfg.load_checkpoint))
+        self._start_reference()
+
+    def _start_reference(self) -> None:
+        """A `reference: copy` holds the run's starting weights: the policy's before its first step; on a resume,
+        load_checkpoint's (else the seed's initialisation, which the policy started from too)."""
+        reference = self.objective.reference if self.objective is not None else None
+        if reference is None or not reference.owns_weights:
+            return
+        if self.resume_from is None:
+            reference.copy_weights_from(self.parts)
+        elif self.cfg.load_checkpoint:
+            src = Path(self.cfg.load_checkpoint)
+            load_base_weights(
+                src, source_of(src, self.sources), self.cfg, reference.parts.parts, self.expected_shapes,
+                self.data.tokenizer_hash, self.run_dir,
+            )  # fmt: skip
 
     def _load_base_weights(self, src: Path) -> None:
         source = source_of(src, self.sources)
@@ -246,6 +265,7 @@ class Trainer:
                 clock=clock,
                 hooks=hooks,
                 step=step + 1,
+                objective=self.objective,
             )
             if env.device.type == "cuda":
                 torch.cuda.synchronize(env.device)
