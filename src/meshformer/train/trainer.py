@@ -46,6 +46,9 @@ from meshformer.train.skips import SkippedSteps
 from meshformer.train.spikes import SpikeDetector
 from meshformer.train.step import StepResult, build_parts, build_reference, clip_threshold, train_step
 
+# trainer_state.json: the weights a preference run started from, which its frozen reference reloads on a resume
+REFERENCE_KEY = "preference_reference_weights"
+
 
 class Trainer:
     def __init__(
@@ -125,6 +128,7 @@ class Trainer:
         self.scaler = LossScaler.from_config(cfg)  # fp16: dynamic loss scaling (train/loss_scale.py)
         self.metrics = RunMetrics(cfg, self.env, self.out, self.plan, self.console)
         self.hf_base = None  # the Hugging Face model the weights came from, for an exported adapter's config
+        self.reference_start = None  # where a preference reference's weights come from (None: the seed's init)
         if self.resume_from is not None:
             self._restore(self.resume_from)
         elif cfg.load_checkpoint:
@@ -133,14 +137,16 @@ class Trainer:
 
     def _start_reference(self) -> None:
         """A `reference: copy` holds the run's starting weights: the policy's before its first step; on a resume,
-        load_checkpoint's (else the seed's initialisation, which the policy started from too)."""
+        those the run started from (trainer_state.json's REFERENCE_KEY: its load_checkpoint), else the seed's
+        initialisation, which the policy started from too."""
         reference = self.objective.reference if self.objective is not None else None
         if reference is None or not reference.owns_weights:
             return
         if self.resume_from is None:
+            self.reference_start = self.cfg.load_checkpoint or None
             reference.copy_weights_from(self.parts)
-        elif self.cfg.load_checkpoint:
-            src = Path(self.cfg.load_checkpoint)
+        elif self.reference_start:
+            src = Path(self.reference_start)
             load_base_weights(
                 src, source_of(src, self.sources), self.cfg, reference.parts.parts, self.expected_shapes,
                 self.data.tokenizer_hash, self.run_dir,
@@ -182,6 +188,7 @@ class Trainer:
             **self.evaluation.state_dict(),
             **self.scaler.state(),
             **({BASE_KEY: self.hf_base} if self.hf_base else {}),
+            **({REFERENCE_KEY: self.reference_start} if self.reference_start else {}),
             **self.data.state_dict(),
         }
 
@@ -192,6 +199,7 @@ class Trainer:
             component.load_state_dict(state)
         self.scaler.load(state)
         self.hf_base = state.get(BASE_KEY)
+        self.reference_start = state.get(REFERENCE_KEY)
 
     # ---- the loop -----------------------------------------------------------------------------------------
     def train(self) -> dict:
