@@ -1,6 +1,6 @@
 """A DPO run end to end through the trainer: it resumes exactly (the reference comes back at the starting weights,
 from load_checkpoint), and validation reports TRL's metrics over the validation pairs (eval_rewards/..., the
-preference eval_loss)."""
+preference eval_loss), and with LoRA `reference: adapter` trains as `reference: copy` does."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from conftest import TINY_HF_LLAMA, save_hf_model, tiny_overrides
+from conftest import LORA, TINY_HF_LLAMA, save_hf_model, tiny_overrides
 from meshformer.cli.main import main
 from meshformer.cli.train_cmd import run_training  # load_checkpoint: a Hugging Face directory
 from meshformer.config import load_config
@@ -69,3 +69,15 @@ def test_validation_reports_trls_metrics(setup, tmp_path):
         assert abs(r["eval_rewards/margins"] - margins) < 1e-6 and 0 <= r["eval_rewards/accuracies"] <= 1
         assert r["eval_logps/chosen"] < 0 and r["eval_loss"] > 0
     assert evaluated[0]["eval_rewards/margins"] != 0.0  # after two steps the policy left the reference
+
+
+def test_lora_adapter_reference_equals_a_frozen_copy(setup, tmp_path):
+    """`reference: adapter` (the policy with its adapters off, no second model) gives the run `reference: copy`
+    gives: both are the starting weights, since LoRA's B starts at zero."""
+    lora = {**LORA, "runner_config.stop_step": 3, "optimizer.learning_rate": 1e-2}
+    adapter = train(setup, tmp_path / "adapter", {**lora, "preference_config.reference": "adapter"})
+    copy = train(setup, tmp_path / "copy", {**lora, "preference_config.reference": "copy"})
+    for a, b in zip(adapter, copy):
+        for key in ("loss", "grad_norm", "rewards/margins", "logps/chosen"):
+            assert abs(a[key] - b[key]) <= 1e-6 * max(1.0, abs(b[key])), (a["step"], key, a[key], b[key])
+    assert adapter[-1]["rewards/margins"] != 0.0  # the adapters moved the policy away from the reference
