@@ -8,8 +8,7 @@ import json
 
 import pytest
 
-from conftest import LORA, TINY_HF_LLAMA, save_hf_model, tiny_overrides
-from meshformer.cli.main import main
+from conftest import LORA, preference_run_dir, tiny_overrides
 from meshformer.cli.train_cmd import run_training  # load_checkpoint: a Hugging Face directory
 from meshformer.config import load_config
 
@@ -22,14 +21,7 @@ RECORDS = [
 
 @pytest.fixture(scope="module")
 def setup(tiny_dataset, tmp_path_factory):
-    root = tmp_path_factory.mktemp("dpo")
-    tok = tiny_dataset.parent / "tok"
-    save_hf_model(root / "hf", tok, TINY_HF_LLAMA)
-    src = root / "pairs.jsonl"
-    src.write_text("".join(json.dumps(r) + "\n" for r in RECORDS))
-    argv = ["preprocess", "--input", str(src), "--tokenizer", str(tok), "--output", str(root / "data")]
-    assert main([*argv, "--val-fraction", "0.25"]) == 0
-    return root
+    return preference_run_dir(tmp_path_factory.mktemp("dpo"), tiny_dataset.parent / "tok", RECORDS, 0.25)
 
 
 def train(root, out, extra: dict) -> list[dict]:

@@ -10,8 +10,7 @@ import json
 
 import pytest
 
-from conftest import TINY_HF_LLAMA, rel, save_hf_model, tiny_overrides
-from meshformer.cli.main import main
+from conftest import preference_run_dir, rel, tiny_overrides
 from meshformer.cli.train_cmd import run_training  # load_checkpoint: a Hugging Face directory
 from meshformer.config import load_config
 
@@ -43,14 +42,7 @@ def agree(mine: dict, theirs: dict, step: int) -> None:
 @pytest.fixture(scope="module")
 def setup(tiny_dataset, tmp_path_factory):
     """The HF model directory and the preprocessed pairs (no validation split)."""
-    root = tmp_path_factory.mktemp("pref")
-    tok = tiny_dataset.parent / "tok"
-    save_hf_model(root / "hf", tok, TINY_HF_LLAMA)
-    src = root / "pairs.jsonl"
-    src.write_text("".join(json.dumps(r) + "\n" for r in RECORDS))
-    argv = ["preprocess", "--input", str(src), "--tokenizer", str(tok), "--output", str(root / "data")]
-    assert main([*argv, "--val-fraction", "0"]) == 0
-    return root
+    return preference_run_dir(tmp_path_factory.mktemp("pref"), tiny_dataset.parent / "tok", RECORDS, 0)
 
 
 def ours(root, name: str, preference: dict) -> list[dict]:
