@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 import sys
@@ -118,6 +119,19 @@ def save_hf_model(
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(Path(tokenizer_dir) / name, Path(out) / name)
     return model
+
+
+def preference_run_dir(root: Path, tokenizer_dir: Path, records: list[dict], val_fraction: float) -> Path:
+    """root with a transformers-made tiny Llama (`hf`, TINY_HF_LLAMA) and `records` preprocessed as preference
+    pairs (`data`); returns root."""
+    from meshformer.cli.main import main
+
+    save_hf_model(root / "hf", tokenizer_dir, TINY_HF_LLAMA)
+    src = root / "pairs.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in records))
+    argv = ["preprocess", "--input", str(src), "--tokenizer", str(tokenizer_dir), "--output", str(root / "data")]
+    assert main([*argv, "--val-fraction", str(val_fraction)]) == 0
+    return root
 
 
 def tokens():

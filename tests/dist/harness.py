@@ -19,7 +19,7 @@ from meshformer.train.loss_scale import LossScaler
 from meshformer.train.memory import MemoryMeter
 from meshformer.train.moe_balance import MoeBalanceHook
 from meshformer.train.optim import Optimizers, Schedule
-from meshformer.train.step import build_parts, clip_threshold, evaluate, train_step
+from meshformer.train.step import build_parts, build_reference, clip_threshold, evaluate, train_step
 
 STEPS = 5
 GLOBAL_BATCH = 16
@@ -246,12 +246,33 @@ FP8_FP32 = ("fp8_fp32", "fp8_gw_fp32")
 
 
 def variant_cfg(variant: str, case: str | None = None):
-    """The config of a variant (VARIANTS or FP8_VARIANTS) under a case's layout (None: one process)."""
-    overrides = {**(VARIANTS.get(variant) or FP8_VARIANTS[variant]), **(spec_of(case)[0] if case else {})}
+    """A variant (VARIANTS, FP8_VARIANTS or PREFERENCE_VARIANTS) under a case's layout (None: one process)."""
+    model = VARIANTS.get(variant) or FP8_VARIANTS.get(variant) or PREFERENCE_VARIANTS[variant]
+    overrides = {**model, **(spec_of(case)[0] if case else {})}
     cfg = make_cfg(overrides)
     if variant in FP8_FP32:
         cfg.model.model_config.compute_dtype = "float32"
     return cfg
+
+
+# Preference training (tests/parity/test_preference_layouts.py): DPO against a frozen copy of the starting weights
+# with three loss types at once (sigmoid; ipo, which divides by each completion's length; sft, the token mean over
+# the chosen completions), every pair two adjacent rows; with LoRA against the adapters-off reference; on the MoE
+# model. Their own table, so the SFT suites' references do not grow.
+PREFERENCE_VARIANTS = {
+    "dpo": {"preference_config.method": "dpo", "preference_config.loss_type": "[sigmoid, ipo, sft]",
+            "preference_config.loss_weights": "[1.0, 0.5, 0.2]", "preference_config.beta": 0.5},
+}  # fmt: skip
+PREFERENCE_VARIANTS["dpo_lora"] = {
+    **VARIANTS["lora"],
+    **PREFERENCE_VARIANTS["dpo"],
+    "preference_config.reference": "adapter",
+}
+PREFERENCE_VARIANTS["dpo_moe"] = {**VARIANTS["moe"], **PREFERENCE_VARIANTS["dpo"]}
+# SimPO: no reference, per-token mean log-probs (so it runs under pipeline parallelism too)
+PREFERENCE_VARIANTS["simpo"] = {"preference_config.method": "simpo", "preference_config.beta": 2.0}
+# what a preference step adds to each step's record (TRL's names)
+PREFERENCE_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "logps/chosen", "logps/rejected")
 
 
 class Wrapped(nn.Module):
@@ -321,6 +342,11 @@ def batches(packed: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
 def run(cfg, env, n_micro: int, transforms=None, packed: bool = False) -> tuple[list[tuple[float, float]], dict]:
     """(loss and grad norm of every step, then the eval loss; this rank's memory breakdown after the second step)."""
     built = build_parts(cfg, env, transforms)
+    objective = built.objective  # a preference variant's, with its frozen reference at the starting weights
+    if objective is not None:
+        objective.reference = build_reference(cfg, env, built.parts)
+        if objective.reference is not None:
+            objective.reference.copy_weights_from(built.parts)
     opt = Optimizers(built.parts.parts, cfg)
     meter = MemoryMeter(env, built.parts, opt)
     memory = {}
@@ -330,11 +356,13 @@ def run(cfg, env, n_micro: int, transforms=None, packed: bool = False) -> tuple[
         if step < 2:  # the second step's measurement (train/memory.py: MEASURED_STEPS)
             memory = {"stage": env.pp_rank, **meter.record()}
 
-    out = train_steps(built.parts, opt, cfg, env, n_micro, range(STEPS), packed, hooks=[meter], after=measure)
+    out = train_steps(
+        built.parts, opt, cfg, env, n_micro, range(STEPS), packed, hooks=[meter], after=measure, objective=objective
+    )
     biases = router_biases(built.parts)
     if biases:  # MoE routing biases after the last update, by layer (each pipeline stage has its own)
         memory["router_biases"] = biases
-    return out + [(evaluate_first(built.parts, cfg, env, n_micro, packed), 0.0)], memory
+    return out + [(evaluate_first(built.parts, cfg, env, n_micro, packed, objective), 0.0)], memory
 
 
 def router_biases(parts) -> dict[str, list[float]]:
@@ -355,9 +383,12 @@ def rows_of(env) -> slice:
     return slice(env.dp_rank * per, (env.dp_rank + 1) * per)
 
 
-def train_steps(parts, opt, cfg, env, n_micro: int, steps: range, packed: bool = False, hooks=(), after=None):
-    """The trainer's step on the fixed batches of `steps`: [(loss, grad norm, *auxiliary losses by name)] per step.
-    MoE models get the trainer's balancing hook (loads, bias update), as the Trainer registers it."""
+def train_steps(
+    parts, opt, cfg, env, n_micro: int, steps: range, packed: bool = False, hooks=(), after=None, objective=None
+):
+    """The trainer's step on the fixed batches of `steps`: [(loss, grad norm, *auxiliary losses by name, *a
+    preference step's metrics)] per step. MoE models get the trainer's balancing hook (loads, bias update), as the
+    Trainer registers it; `objective`: a preference run's (rows are pairs: 2k chosen, 2k+1 rejected)."""
     balance = MoeBalanceHook.for_run(cfg, parts, env)
     hooks = [*hooks, *([balance] if balance is not None else [])]
     scaler = LossScaler.from_config(cfg)  # fp16: the trainer's dynamic loss scaling
@@ -371,21 +402,24 @@ def train_steps(parts, opt, cfg, env, n_micro: int, steps: range, packed: bool =
         r = train_step(parts, opt, env, inputs[step, rows].to(env.device), labels[step, rows].to(env.device),
                        n_micro=n_micro, ignore_index=cfg.model.model_config.ignore_token_id,
                        max_grad_norm=clip_threshold(cfg), documents=docs, hooks=list(hooks), step=step + 1,
-                       loss_scale=scaler.scale)
+                       loss_scale=scaler.scale, objective=objective)
         scaler.update(not r.skipped)
-        out.append((r.loss, r.grad_norm, *(r.aux_losses[k] for k in sorted(r.aux_losses))))
+        preference = [r.metrics[k] for k in PREFERENCE_METRICS if k in r.metrics]
+        out.append((r.loss, r.grad_norm, *(r.aux_losses[k] for k in sorted(r.aux_losses)), *preference))
         if after is not None:
             after(step)
     return out
 
 
-def evaluate_first(parts, cfg, env, n_micro: int, packed: bool = False) -> float:
-    """Validation loss (forward only) of the first global batch."""
+def evaluate_first(parts, cfg, env, n_micro: int, packed: bool = False, objective=None) -> float:
+    """Validation loss (forward only) of the first global batch (a preference run's: its mean pair loss)."""
     inputs, labels, documents = batches(packed)
     rows = rows_of(env)
     docs = None if documents is None else documents[0, rows].to(env.device)
     first = [(inputs[0, rows].to(env.device), labels[0, rows].to(env.device), docs)]
     per = GLOBAL_BATCH // env.dp_size
+    if objective is not None:
+        return objective.evaluate(parts, first, per // n_micro // 2)["loss"]
     return evaluate(parts, env, first, per // n_micro, cfg.model.model_config.ignore_token_id)
 
 

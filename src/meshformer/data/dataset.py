@@ -355,20 +355,30 @@ class GlobalBatches:
         return [dataset.sample(int(i)) for i in self.sample_ids(b)]
 
     def host_inputs(
-        self, dataset: protocol.Dataset, b: int, vocab_size: int, ignore: int, field: str
+        self, dataset: protocol.Dataset, b: int, vocab_size: int, ignore: int, field: str, pairs: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Inputs, next-token labels and document indices (packed rows; else None) of global batch b's rows, on
         the host, from `dataset.sample(i)` alone. Labels the loss mask does not keep (prompts, padding of
         instruction data) and labels that would predict the first token of the next packed sample become
         `ignore`. The token ids are checked against the vocabulary here, before any copy: on a GPU a check there
-        would make the host wait for the device every step."""
-        return batch_inputs(self.samples(dataset, b), vocab_size, ignore, f"{field}: global batch {b}")
+        would make the host wait for the device every step. `pairs`: the samples are preference pairs, read as
+        two rows each."""
+        samples = self.samples(dataset, b)
+        if pairs:  # preference pairs: two rows each (rows_of_pairs)
+            samples = rows_of_pairs(samples)
+        return batch_inputs(samples, vocab_size, ignore, f"{field}: global batch {b}")
 
     def model_inputs(
         self, dataset: protocol.Dataset, b: int, device: torch.device, vocab_size: int, ignore: int, field: str
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """`host_inputs` on `device`."""
         return to_device(self.host_inputs(dataset, b, vocab_size, ignore, field), device)
+
+
+def rows_of_pairs(samples: list[Sample]) -> list[Sample]:
+    """Preference pairs as rows, each pair's chosen then its rejected (adjacent, so no micro-batch split cuts a
+    pair): the rows a preference step reads (train/preference_step.py)."""
+    return [row for s in samples for row in (Sample(s.tokens, s.loss_mask), Sample(s.rejected, s.rejected_mask))]
 
 
 def batch_inputs(

@@ -24,8 +24,10 @@ like W (its r-wide partial sums are all-reduced: r numbers per token, not d_out)
 
 from __future__ import annotations
 
+import contextlib
 import math
 import re
+from collections.abc import Iterable
 
 import torch
 from torch import nn
@@ -47,6 +49,9 @@ LORA_PARTS = ("lora_A", "lora_B")
 
 
 class LoRALinear(nn.Module):
+    # False: the layer is its base layer alone (adapters_off: a preference run's reference without a second copy)
+    adapters_on = True
+
     def __init__(self, base: nn.Linear, rank: int, alpha: float, dropout: float):
         super().__init__()
         self.base_layer = base
@@ -59,6 +64,8 @@ class LoRALinear(nn.Module):
             p.requires_grad_(False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.adapters_on:
+            return self.base_layer(x)
         return self.base_layer(x) + self.lora_B(self.lora_A(self.dropout(x))) * self.scaling
 
     def tp_subplan(self, style: str) -> dict[str, str]:
@@ -67,6 +74,20 @@ class LoRALinear(nn.Module):
         if style == "rowwise":
             return {"base_layer": "rowwise", "lora_A": "rowwise_to_replicated", "lora_B": "replicated_to_output"}
         raise ValueError(f"LoRA on a {style} layer is not supported (only column- and row-parallel linears)")
+
+
+@contextlib.contextmanager
+def adapters_off(modules: Iterable[nn.Module]):
+    """Every LoRA layer inside `modules` runs as its base layer alone for the duration: the model the adapters
+    started from, with no second copy of its weights."""
+    layers = [m for module in modules for m in module.modules() if isinstance(m, LoRALinear)]
+    for layer in layers:
+        layer.adapters_on = False
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.adapters_on = True
 
 
 def lora_init(name: str, shape: tuple, generator: torch.Generator) -> torch.Tensor | None:

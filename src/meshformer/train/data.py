@@ -31,6 +31,7 @@ from meshformer.errors import UserError
 from meshformer.parallel import ParallelEnv
 from meshformer.parallel.batch_plan import BatchPlan
 from meshformer.train.optim import schedule_warnings
+from meshformer.train.preference_step import PAIRED_METHODS
 from meshformer.train.step import eval_micro_batch
 
 Batch = tuple[Tensor, Tensor, Tensor | None]  # inputs, labels, documents (packed rows; else None)
@@ -41,6 +42,8 @@ class TrainingData:
     def __init__(self, cfg: MeshformerConfig, env: ParallelEnv, plan: BatchPlan, log: Callable[[str], None]):
         self.cfg, self.env, self.plan, self.log = cfg, env, plan, log
         self.mc = cfg.model.model_config
+        # a preference run on pairs reads each pair as two rows (train/preference_step.py)
+        self.pairs = cfg.preference_config.method in PAIRED_METHODS
         self._open()
         td = cfg.train_dataset
         self._train_ahead = Prefetcher(self._host_train, td.prefetch_size, td.num_parallel_workers)
@@ -57,6 +60,12 @@ class TrainingData:
                 f"instruction data: {self.train_ds.samples} samples in {len(self.train_ds)} rows of "
                 f"{self.mc.seq_length + 1} tokens, {self.train_ds.padding:.1%} padding"
                 + (" (packed)" if dl.packing else " (one sample per row; packing: true fills rows)")
+            )
+        if self.pairs and getattr(self.train_ds, "kind", None) != "pairs":
+            raise UserError(
+                f"preference_config.method={cfg.preference_config.method} trains on preference pairs, but "
+                f"train_dataset.data_loader ({dl.type}) holds none: preprocess prompt/chosen/rejected records and "
+                f"set data_loader.type: PreferenceDataset"
             )
         self._open_tokenizer()
         check_tokenizer(self.train_ds, self.tokenizer_hash, self.mc.vocab_size, field)
@@ -147,7 +156,7 @@ class TrainingData:
 
     # ---- batches ------------------------------------------------------------------------------------------
     def _host_batch(self, ds, order: GlobalBatches, b: int, field: str) -> Batch:
-        batch = order.host_inputs(ds, b, self.mc.vocab_size, self.mc.ignore_token_id, field)
+        batch = order.host_inputs(ds, b, self.mc.vocab_size, self.mc.ignore_token_id, field, self.pairs)
         return pinned(batch) if self.env.device.type == "cuda" else batch
 
     def _host_train(self, b: int) -> Batch:

@@ -13,12 +13,22 @@ from meshformer.config.schema import MeshformerConfig
 from meshformer.parallel import ModelParts, ParallelEnv
 from meshformer.train.data import TrainingData
 from meshformer.train.early_stop import EarlyStopping
+from meshformer.train.preference_step import PreferenceObjective
 from meshformer.train.step import evaluate
 
 
 class Evaluation:
-    def __init__(self, cfg: MeshformerConfig, env: ParallelEnv, data: TrainingData, log: Callable[[str], None]):
+    def __init__(
+        self,
+        cfg: MeshformerConfig,
+        env: ParallelEnv,
+        data: TrainingData,
+        log: Callable[[str], None],
+        objective: PreferenceObjective | None = None,
+    ):
+        """objective: a preference run's (train/preference_step.py): validation on pairs, with TRL's metrics."""
         self.cfg, self.env, self.data, self.log = cfg, env, data, log
+        self.objective = objective
         self.early = EarlyStopping(cfg.runner_config.early_stopping_patience)
 
     def state_dict(self) -> dict:
@@ -32,17 +42,26 @@ class Evaluation:
         return (every > 0 and done % every == 0) or (self.cfg.do_eval and done == self.data.total_steps)
 
     def evaluate(self, parts: ModelParts) -> float:
-        """Mean token loss over eval_iters validation batches (fixed order, so comparable across steps)."""
+        """Mean token loss over eval_iters validation batches (fixed order, so comparable across steps); a
+        preference run's: the mean preference loss over the validation pairs."""
+        return self.evaluate_with_metrics(parts)["loss"]
+
+    def evaluate_with_metrics(self, parts: ModelParts) -> dict[str, float]:
+        """{"loss": the validation loss} and, for a preference run, TRL's metrics over the validation pairs."""
         batches = self.data.eval_iter(self.cfg.eval_config.eval_iters)
+        if self.objective is not None:
+            return self.objective.evaluate(parts, batches, self.data.eval_micro_batch)
         ignore = self.cfg.model.model_config.ignore_token_id
-        return evaluate(parts, self.env, batches, self.data.eval_micro_batch, ignore)
+        return {"loss": evaluate(parts, self.env, batches, self.data.eval_micro_batch, ignore)}
 
     def after_step(self, done: int, parts: ModelParts, rec: dict) -> bool:
         """Evaluate when due (into rec["eval_loss"]); True when that is the best loss so far and early stopping
         is on (the trainer then saves a checkpoint marked best)."""
         if self.data.eval_ds is None or not self.due(done):
             return False
-        rec["eval_loss"] = self.evaluate(parts)
+        got = self.evaluate_with_metrics(parts)
+        rec["eval_loss"] = got.pop("loss")
+        rec.update({f"eval_{name}": value for name, value in got.items()})  # TRL's eval_rewards/chosen, ...
         return self.early.update(rec["eval_loss"]) and self.early.enabled
 
     def should_stop(self, done: int) -> bool:

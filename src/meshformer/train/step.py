@@ -33,8 +33,10 @@ from meshformer.models.registry import family_of
 from meshformer.models.transforms import ModelTransform, apply_model_transforms
 from meshformer.parallel import ModelParts, ParallelEnv, parallelize
 from meshformer.parallel.context_parallel import local_sequence
+from meshformer.train.frozen_model import FrozenModel
 from meshformer.train.hooks import Hooks, StepBatch
 from meshformer.train.optim import Optimizers
+from meshformer.train.preference_step import PreferenceObjective, check_built, trains_preferences
 
 
 def make_loss_fn(cfg: MeshformerConfig):
@@ -56,6 +58,7 @@ class BuiltModel:
     parts: ModelParts  # this rank's materialized pieces, parallelized
     transforms: list[str]  # names of the model transforms applied, in order
     matmul_note: str = ""  # CPU runs: which library runs the fp32 linear layers, and why (cpu_matmul)
+    objective: PreferenceObjective | None = None  # a preference run's loss (its parts call it), else None
 
 
 def build_parts(
@@ -77,17 +80,32 @@ def build_parts(
     # After the transforms (LoRA's own linears included), before parallelism wraps anything.
     matmul_note = apply_cpu_matmul(model, cfg.cpu_matmul, env.device, DTYPE[mc.compute_dtype], split_backward)
     run_flops = None if run_tokens is None else run_tokens * family_of(mc).flops_per_token(mc)
-    parts = parallelize(model, cfg, env, make_loss_fn(cfg), run_flops)
+    objective = PreferenceObjective(cfg, env) if trains_preferences(cfg) else None
+    parts = parallelize(model, cfg, env, objective or make_loss_fn(cfg), run_flops)
     for part in parts.parts:
         materialize(part, env.device, cfg.seed, DTYPE[mc.param_init_type])
-    return BuiltModel(model, parts, applied, matmul_note)
+    return BuiltModel(model, parts, applied, matmul_note, objective)
+
+
+def build_reference(cfg: MeshformerConfig, env: ParallelEnv, parts: ModelParts) -> FrozenModel | None:
+    """The frozen reference `preference_config.reference` names, beside the policy's `parts` (None: reference-free):
+    a copy built exactly as the policy (`copy`), or the policy with its LoRA adapters off (`adapter`)."""
+    check_built(cfg)
+    kind = cfg.preference_config.reference_kind()
+    if kind == "copy":
+        return FrozenModel.frozen(build_parts(cfg, env).parts)
+    if kind == "adapter":
+        return FrozenModel.adapters_off(parts)
+    if kind == "precomputed":
+        raise UserError("preference_config.reference=precomputed: not built yet: use copy, or adapter with LoRA")
+    return None
 
 
 @dataclass
 class StepResult:
     loss: float  # mean token loss of the global batch
     grad_norm: float  # global L2 norm before clipping
-    tokens: float  # counted (non-ignored) label tokens of the global batch
+    tokens: float  # counted (non-ignored) label tokens of the global batch (a preference step: its pairs)
     skipped: bool = False  # loss or gradient norm not finite: the weights were not updated
     aux_losses: dict[str, float] = field(default_factory=dict)  # name -> its sum / global tokens (models/aux_loss.py)
     metrics: dict[str, float] = field(default_factory=dict)  # what the hooks report (train/hooks.py step_metrics)
@@ -108,6 +126,7 @@ def train_step(
     clock=None,
     hooks: Hooks | Iterable = (),
     step: int | None = None,
+    objective: PreferenceObjective | None = None,
 ) -> StepResult:
     """Forward/backward over this rank's `n_micro` micro-batches, clip, optimizer step, zero the gradients.
 
@@ -115,6 +134,8 @@ def train_step(
     pack several samples (attention and rotary positions stay inside each). `hooks` (train/hooks.py) run around
     the forward/backward and before and after the optimizer step, told `step` (metrics.jsonl's number of it);
     activation and memory measurement (train/memory.py MemoryMeter) is one of them.
+    `objective` (a preference run's, train/preference_step.py): rows are pairs, the reference runs first, the
+    loss is normalised by the global pair count and the step's metrics gain TRL's rewards and log-probs.
     A non-finite loss or gradient norm skips the optimizer step on every rank (the weights and optimizer states
     stay as they were): one bad batch or overflow must not poison the run. `loss_scale` (fp16, train/loss_scale.py)
     multiplies the loss before backward; the gradients are divided by it before the norm and the update.
@@ -127,7 +148,10 @@ def train_step(
     # Context parallel ranks read the same rows and keep their own tokens of them (the documents stay whole: the
     # model's pre-hook needs the row's layout); from here on every loss rank holds different tokens.
     inputs, labels = local_sequence(env, inputs, labels)
-    n_tok = env.reduce_sum((labels != ignore_index).sum().to(torch.float64), "loss")
+    if objective is not None:  # labels become targets (labels + the reference's log-probs); n_tok counts pairs
+        labels, n_tok = objective.prepare(inputs, labels, documents, n_micro)
+    else:
+        n_tok = env.reduce_sum((labels != ignore_index).sum().to(torch.float64), "loss")
     with hooks.step_context(step):
         # A device scalar, not a Python float: reading the token count here would make the host wait for the
         # device before the step's first kernel, a stall a GPU pays every step (the loss is read once, at the end).
@@ -156,6 +180,8 @@ def train_step(
     lap("optim")
     aux_losses = dict(zip(aux_names, aux_t.tolist())) if aux_names else {}  # read after the loss: no wait
     metrics = hooks.step_metrics(step)
+    if objective is not None:
+        metrics.update(objective.step_metrics(n_micro))
     return StepResult(loss, grad_norm, float(n_tok), skipped=not finite, aux_losses=aux_losses, metrics=metrics)
 
 

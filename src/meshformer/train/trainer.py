@@ -47,7 +47,10 @@ from meshformer.train.run_dir import RunDir
 from meshformer.train.run_metrics import RunMetrics
 from meshformer.train.skips import SkippedSteps
 from meshformer.train.spikes import SpikeDetector
-from meshformer.train.step import StepResult, build_parts, clip_threshold, train_step
+from meshformer.train.step import StepResult, build_parts, build_reference, clip_threshold, train_step
+
+# trainer_state.json: the weights a preference run started from, which its frozen reference reloads on a resume
+REFERENCE_KEY = "preference_reference_weights"
 
 
 class Trainer:
@@ -117,20 +120,42 @@ class Trainer:
         self.expected_shapes = {k: tuple(v.shape) for k, v in built.model.state_dict().items()}
         self.optimizer = Optimizers(self.parts.parts, cfg)
         self.schedule = Schedule(self.optimizer, cfg, self.total_steps)
+        self.objective = built.objective  # a preference run's loss, with its frozen reference
+        if self.objective is not None:
+            self.objective.reference = build_reference(cfg, self.env, self.parts)
 
     def _start_state(self) -> None:
         """The components at step 0, then the checkpoint to resume from or the weights to start from."""
         cfg, log = self.cfg, self.console.log
         self.start_step = 0
-        self.evaluation = Evaluation(cfg, self.env, self.data, log)
+        self.evaluation = Evaluation(cfg, self.env, self.data, log, self.objective)
         self.skips = SkippedSteps(cfg.runner_wrapper.max_consecutive_skips, log)
         self.scaler = LossScaler.from_config(cfg)  # fp16: dynamic loss scaling (train/loss_scale.py)
         self.metrics = RunMetrics(cfg, self.env, self.out, self.plan, self.console)
         self.hf_base = None  # the Hugging Face model the weights came from, for an exported adapter's config
+        self.reference_start = None  # where a preference reference's weights come from (None: the seed's init)
         if self.resume_from is not None:
             self._restore(self.resume_from)
         elif cfg.load_checkpoint:
             self._load_base_weights(Path(cfg.load_checkpoint))
+        self._start_reference()
+
+    def _start_reference(self) -> None:
+        """A `reference: copy` holds the run's starting weights: the policy's before its first step; on a resume,
+        those the run started from (trainer_state.json's REFERENCE_KEY: its load_checkpoint), else the seed's
+        initialisation, which the policy started from too."""
+        reference = self.objective.reference if self.objective is not None else None
+        if reference is None or not reference.owns_weights:
+            return
+        if self.resume_from is None:
+            self.reference_start = self.cfg.load_checkpoint or None
+            reference.copy_weights_from(self.parts)
+        elif self.reference_start:
+            src = Path(self.reference_start)
+            load_base_weights(
+                src, source_of(src, self.sources), self.cfg, reference.parts.parts, self.expected_shapes,
+                self.data.tokenizer_hash, self.run_dir,
+            )  # fmt: skip
 
     def _load_base_weights(self, src: Path) -> None:
         source = source_of(src, self.sources)
@@ -168,6 +193,7 @@ class Trainer:
             **self.evaluation.state_dict(),
             **self.scaler.state(),
             **({BASE_KEY: self.hf_base} if self.hf_base else {}),
+            **({REFERENCE_KEY: self.reference_start} if self.reference_start else {}),
             **self.data.state_dict(),
         }
 
@@ -178,6 +204,7 @@ class Trainer:
             component.load_state_dict(state)
         self.scaler.load(state)
         self.hf_base = state.get(BASE_KEY)
+        self.reference_start = state.get(REFERENCE_KEY)
 
     # ---- the loop -----------------------------------------------------------------------------------------
     def train(self) -> dict:
@@ -251,6 +278,7 @@ class Trainer:
                 clock=clock,
                 hooks=hooks,
                 step=step + 1,
+                objective=self.objective,
             )
             if env.device.type == "cuda":
                 torch.cuda.synchronize(env.device)

@@ -1,0 +1,85 @@
+"""A second model in the step that never trains: a preference run's reference (and later a distillation teacher).
+
+It is built by the same `build_parts` as the policy, so it is parallelized exactly as the policy is (the same
+layout, TP plan, FSDP sharding, context parallelism): its logits for a micro-batch sit on the same ranks, in the
+same shards, as the policy's, and a loss can combine the two without moving anything. It runs forward only,
+under `torch.no_grad()` and in eval mode: no activations are kept, no gradients, no optimizer state.
+
+Where it comes from:
+  - `frozen(parts)`: a model of its own (`reference: copy`), frozen; its weights are the run's starting weights
+    (`copy_weights_from` the policy before the first step, or loaded as the policy's were when a run resumes);
+  - `adapters_off(parts)`: the policy's own parts with every LoRA adapter off (`reference: adapter`): the base the
+    adapters started from, at no cost in memory.
+What it computes is the caller's: `map_logits` hands each micro-batch's logits to a function and returns what it
+returned (a reference's per-sequence log-probabilities; a teacher's logits).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+
+import torch
+
+from meshformer.errors import UserError
+from meshformer.models.lora import adapters_off
+from meshformer.parallel import ModelParts
+
+
+class FrozenModel:
+    def __init__(self, parts: ModelParts, context: Callable[[], contextlib.AbstractContextManager] | None = None):
+        """parts: the model's pieces on this rank; context: what its forward runs in (adapters off)."""
+        if parts.env.pp_size > 1:
+            raise UserError(
+                "parallel_config.pipeline_stage > 1: a frozen second model (the preference reference) does not "
+                "run under pipeline parallelism yet: use data, tensor or context parallelism, or a reference-free "
+                "method (simpo)"
+            )
+        self.parts = parts
+        self.context = context or contextlib.nullcontext
+        self.owns_weights = context is None
+
+    @classmethod
+    def frozen(cls, parts: ModelParts) -> FrozenModel:
+        """A model of its own, built as the policy was (train/step.py build_reference), frozen: no gradients."""
+        for p in parts.parameters():
+            p.requires_grad_(False)
+        parts.train(False)
+        return cls(parts)
+
+    @classmethod
+    def adapters_off(cls, parts: ModelParts) -> FrozenModel:
+        """The policy's own parts with its LoRA adapters off: the model the adapters started from."""
+        return cls(parts, lambda: adapters_off(parts.parts))
+
+    @torch.no_grad()
+    def copy_weights_from(self, parts: ModelParts) -> None:
+        """Take the policy's current weights (same layout: shard for shard), e.g. the run's starting weights."""
+        if not self.owns_weights:
+            return
+        mine = dict(self.parts.named_parameters())
+        for name, p in parts.named_parameters():
+            target = mine[name]
+            if hasattr(target, "to_local"):
+                target.to_local().copy_(p.to_local())
+            else:
+                target.copy_(p)
+
+    @torch.no_grad()
+    def map_logits(self, inputs: torch.Tensor, documents: torch.Tensor | None, n_micro: int, fn: Callable) -> list:
+        """[fn(logits, i) for each of the n_micro micro-batches of this rank's rows], forward only, in eval mode,
+        with the policy's autocast and (tensor parallelism) its vocab-sharded loss context."""
+        parts, model = self.parts, self.parts.parts[0]
+        was_training = model.training
+        parts.train(False)
+        out = []
+        docs = documents.chunk(n_micro) if documents is not None else [None] * n_micro
+        try:
+            with self.context(), parts.loss_context(), parts.autocast():
+                for i, (x, d) in enumerate(zip(inputs.chunk(n_micro), docs)):
+                    logits = model(x) if d is None else model(x, documents=d)
+                    out.append(fn(logits, i))
+                    del logits
+        finally:
+            parts.train(was_training)
+        return out

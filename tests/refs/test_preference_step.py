@@ -1,0 +1,139 @@
+"""The preference step (train/preference_step.py, the trainer's `preference_config.method`) against TRL 1.16: a
+transformers-made tiny Llama and a small preference JSONL, full-batch steps (so the order cannot differ), the same
+AdamW, schedule and clipping; meshformer's per-step loss equals `trl.DPOTrainer`'s for each loss type, and
+`trl.experimental.cpo`'s SimPO (cpo_alpha 0), within 1e-5 relative (fp32), and the logged rewards, margins,
+accuracies and log-probs agree. (Layouts: tests/parity/test_preference_layouts.py.)"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import preference_run_dir, rel, tiny_overrides
+from meshformer.cli.train_cmd import run_training  # load_checkpoint: a Hugging Face directory
+from meshformer.config import load_config
+
+trl = pytest.importorskip("trl")
+
+RECORDS = [
+    {"prompt": "The king said", "chosen": " to be or not", "rejected": " hello there"},
+    {"prompt": "What light", "chosen": " through yonder window breaks", "rejected": " is that"},
+    {"prompt": "O Romeo,", "chosen": " wherefore art thou", "rejected": " where are you"},
+    {"prompt": "Good night, sweet ", "chosen": "prince", "rejected": "king"},
+    {"prompt": "Now is the winter", "chosen": " of our discontent", "rejected": " of the year"},
+    {"prompt": "All the world", "chosen": "'s a stage", "rejected": " is round"},
+]
+STEPS, LR, BETA = 3, 2e-3, 0.1
+REWARDS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies")
+LOGPS = ("logps/chosen", "logps/rejected")
+
+
+def agree(mine: dict, theirs: dict, step: int) -> None:
+    """TRL's logged metrics: rewards to 1e-5; the summed log-probs (about -50, a dozen tokens each) to 1e-4
+    relative, since our model's logits and transformers' differ by float32 rounding that the rewards' difference
+    with the reference cancels and a sum over tokens accumulates."""
+    for name in REWARDS:
+        assert abs(mine[name] - theirs[name]) <= 1e-5 * max(1.0, abs(theirs[name])), (step, name)
+    for name in LOGPS:
+        assert rel(mine[name], theirs[name]) < 1e-4, (step, name, mine[name], theirs[name])
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_dataset, tmp_path_factory):
+    """The HF model directory and the preprocessed pairs (no validation split)."""
+    return preference_run_dir(tmp_path_factory.mktemp("pref"), tiny_dataset.parent / "tok", RECORDS, 0)
+
+
+def ours(root, name: str, preference: dict) -> list[dict]:
+    """metrics.jsonl of a meshformer run: full batch, STEPS steps, constant learning rate, clipping at 1."""
+    extra = {
+        "load_checkpoint": str(root / "hf"),
+        "train_dataset.data_loader.type": "PreferenceDataset",
+        "train_dataset.batch_size": len(RECORDS),
+        "train_dataset.data_loader.shuffle": False,
+        "runner_config.stop_step": STEPS,
+        "optimizer.learning_rate": LR,
+        "optimizer.warmup_steps": 0,
+        "lr_schedule.type": "constant",
+        "optimizer.weight_decay": 0.0,
+        "model.model_config.rms_norm_eps": 1e-5,
+        **{f"preference_config.{k}": v for k, v in preference.items()},
+    }
+    run_training(load_config(None, tiny_overrides(root / "data", root / name, extra)))
+    return [json.loads(line) for line in (root / name / "metrics.jsonl").read_text().splitlines()]
+
+
+def trl_run(root, name: str, trainer: str, **args) -> tuple[list[float], list[dict]]:
+    """TRL 1.16's per-step losses (as computed, unrounded) and logged metrics on the same model and records, in
+    float32 (TRL's configs default to bf16 autocast, on a CPU too)."""
+    import datasets
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_pretrained(root / "hf", dtype=torch.float32)
+    # CPO tokenizes as TRL did before 1.0 and adds the tokenizer's BOS, which DPOTrainer (and preprocess) does
+    # not: the tiny tokenizer names <|endoftext|> as its BOS, so it is unset for CPO to see the same sequences.
+    extra_tok = {"bos_token": None} if trainer == "cpo" else {}
+    tok = transformers.PreTrainedTokenizerFast.from_pretrained(str(root / "hf"), **extra_tok)
+    common = dict(
+        output_dir=str(root / name), per_device_train_batch_size=len(RECORDS), max_steps=STEPS,
+        learning_rate=LR, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, adam_beta1=0.9,
+        adam_beta2=0.95, adam_epsilon=1e-8, max_grad_norm=1.0, logging_steps=1, report_to=[], use_cpu=True,
+        save_strategy="no", seed=0, dataloader_drop_last=True, max_length=33, bf16=False,
+    )  # fmt: skip
+    if trainer == "dpo":
+        config_cls, trainer_cls = trl.DPOConfig, trl.DPOTrainer
+    else:
+        from trl.experimental.cpo import CPOConfig, CPOTrainer
+
+        config_cls, trainer_cls = CPOConfig, CPOTrainer
+    losses: list[float] = []
+
+    class Recording(trainer_cls):
+        def compute_loss(self, *a, **kw):
+            out = super().compute_loss(*a, **kw)
+            losses.append((out[0] if isinstance(out, tuple) else out).item())
+            return out
+
+    run = Recording(
+        model=model, args=config_cls(**common, **args), train_dataset=datasets.Dataset.from_list(RECORDS),
+        processing_class=tok,
+    )  # fmt: skip
+    run.train()
+    logged = [h for h in run.state.log_history if "rewards/chosen" in h]
+    return losses, logged
+
+
+DPO_CASES = {
+    "sigmoid": {"loss_type": "sigmoid"},
+    "ipo": {"loss_type": "ipo"},
+    "hinge": {"loss_type": "hinge"},
+    "robust": {"loss_type": "robust", "label_smoothing": 0.1},
+    "combined": {"loss_type": ["sigmoid", "bco_pair", "sft"], "loss_weights": [0.8, 0.2, 1.0]},
+}
+
+
+@pytest.mark.parametrize("case", list(DPO_CASES))
+def test_dpo_steps_equal_trls(setup, case):
+    pref = DPO_CASES[case]
+    got = ours(setup, f"ours-{case}", {"method": "dpo", "beta": BETA, **pref})
+    trl_args = {"beta": BETA, **pref}
+    want_losses, want = trl_run(setup, f"trl-{case}", "dpo", **trl_args)
+    assert len(got) == STEPS and len(want_losses) == STEPS
+    for step, (mine, loss, theirs) in enumerate(zip(got, want_losses, want), start=1):
+        assert rel(mine["loss"], loss) < 1e-5, (step, mine["loss"], loss)
+        agree(mine, theirs, step)
+    assert got[-1]["loss"] < got[0]["loss"]  # it learned: the comparison covers updated weights
+
+
+def test_simpo_steps_equal_trls_cpo(setup):
+    """SimPO is `trl.experimental.cpo`'s CPOTrainer with loss_type simpo and cpo_alpha 0 (no NLL term)."""
+    got = ours(setup, "ours-simpo", {"method": "simpo", "beta": 2.0, "simpo_gamma": 0.5})
+    want_losses, want = trl_run(setup, "trl-simpo", "cpo", loss_type="simpo", cpo_alpha=0.0, beta=2.0, simpo_gamma=0.5)
+    assert len(got) == STEPS and len(want_losses) == STEPS
+    for step, (mine, loss, theirs) in enumerate(zip(got, want_losses, want), start=1):
+        assert rel(mine["loss"], loss) < 1e-5, (step, mine["loss"], loss)
+        agree(mine, theirs, step)
+    assert got[-1]["loss"] < got[0]["loss"]
