@@ -5,6 +5,8 @@ holding our dequantized base, and the quantization error of the whole model agai
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from torch import nn
@@ -151,3 +153,37 @@ def test_qlora_logit_error_is_within_bitsandbytes_4bit_models():
         bnb_err = (bnb(input_ids=x).logits - exact).abs().mean()
     assert bnb_err > 1e-3  # quantization moves the logits measurably
     assert ours_err <= 1.1 * bnb_err
+
+
+def test_a_bitsandbytes_4bit_directory_imports_as_bitsandbytes_dequantizes_it(tmp_path):
+    from meshformer.interop.hf_dir import read_hf_dir
+
+    _hf_llama().save_pretrained(tmp_path / "full")
+    for double in (True, False):
+        quant = transformers.BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=double
+        )
+        q = transformers.AutoModelForCausalLM.from_pretrained(
+            tmp_path / "full", quantization_config=quant, device_map="cpu"
+        )
+        q.save_pretrained(tmp_path / f"bnb{double}")
+        got = read_hf_dir(tmp_path / f"bnb{double}").tensors
+        assert len(got) == len(_hf_llama().state_dict())  # every tensor once, no quantization state left
+        linears = {n: m for n, m in q.named_modules() if hasattr(getattr(m, "weight", None), "quant_state")}
+        assert len(linears) == 14
+        for name, m in linears.items():
+            want = bnb_functional.dequantize_4bit(m.weight.data, m.weight.quant_state)
+            torch.testing.assert_close(got[f"{name}.weight"], want, rtol=0, atol=0)
+
+
+def test_a_bitsandbytes_8bit_directory_is_refused(tmp_path, capsys):
+    from meshformer.cli.main import main
+
+    _hf_llama().save_pretrained(tmp_path / "hf")
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "bitsandbytes", "load_in_8bit": True}
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(config))
+    capsys.readouterr()
+    assert main(["import", str(tmp_path / "hf"), "--output", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "8-bit" in err and "load_in_4bit" in err, err
