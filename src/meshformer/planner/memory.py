@@ -138,7 +138,11 @@ def states_bytes(cfg: MeshformerConfig, dims: ParallelDims, pp_rank: int) -> tup
             if is_nf4(p):  # a QLoRA base weight: 4-bit codes and their scales (models/qlora.py)
                 nbytes = nf4_local_bytes(p, fsdp)
             params += nbytes
-            if p.dim() == 2 and (not name.startswith("embed_tokens") or cfg.model.model_config.tie_word_embeddings):
+            if (
+                p.dim() == 2
+                and not is_nf4(p)
+                and (not name.startswith("embed_tokens") or cfg.model.model_config.tie_word_embeddings)
+            ):
                 matmul += _local_numel(tuple(p.shape), tp_dim, dims.tp, 1)
             if p.requires_grad:
                 # torch's vocab-parallel embedding returns a replicated (whole) gradient for its sharded weight, unless
@@ -175,9 +179,11 @@ def expert_local_numel(shape: tuple[int, ...], dims: ParallelDims) -> int:
 def _layer_matmul_elements(piece, key: str, styles: dict[str, str], tp: int) -> int:
     """Local elements of decoder layer `key`'s matmul weights (its 2-D parameters, tensor-parallel cut by the
     piece's resolved `styles`, whole across FSDP: what autocast casts)."""
+    from meshformer.models.qlora import is_nf4
+
     total = 0
     for name, p in piece.layers[key].named_parameters(prefix=f"layers.{key}"):
-        if p.dim() == 2:
+        if p.dim() == 2 and not is_nf4(p):  # an NF4 weight is dequantized per use and never saved
             module, _, leaf = name.rpartition(".")
             total += _local_numel(tuple(p.shape), TP_SHARD_DIM.get(styles.get(module, ""), {}).get(leaf), tp, 1)
     return total
