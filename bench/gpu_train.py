@@ -11,6 +11,7 @@ CPU the activation counter's figure stands in), and what `meshformer plan` predi
     python bench/gpu_train.py --preset 1b --seq 2048 --batch 4 --modes none,selective,full,swap
     torchrun --nproc-per-node 8 bench/gpu_train.py --preset 8b --seq 2048 --batch 1 --fsdp --modes selective
     python bench/gpu_train.py --preset tiny --seq 128 --batch 2 --steps 2   # CPU: the script cannot rot
+    python bench/gpu_train.py --preset 8b --seq 2048 --batch 1 --qlora --modes full   # QLoRA memory on one GPU
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ PRESETS = {  # Llama 3.2 1B and Llama 3.1 8B shapes; tiny for CPU smoke runs
         theta=500000.0,
     ),
 }
+LINEARS = "[q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj]"
 EAGER = ["--compile", "false"]  # explicit: `compile: auto` would compile these on a GPU
 MODES = {
     "none": EAGER,
@@ -87,6 +89,7 @@ def run_mode(args, mode: str, acc) -> dict:
     from meshformer.planner.plan import make_plan
     from meshformer.train.hooks import StepContext
     from meshformer.train.memory import counter_for
+    from meshformer.train.metrics import tensor_bytes
     from meshformer.train.optim import Optimizers
     from meshformer.train.step import build_parts, train_step
 
@@ -98,6 +101,8 @@ def run_mode(args, mode: str, acc) -> dict:
     flat += ["--parallel_config.data_parallel", str(world), "--train_dataset.batch_size", str(args.batch)]
     if args.fsdp:
         flat += ["--parallel_config.optimizer_shard", "true"]
+    if args.qlora:  # LoRA on every decoder linear over their NF4 base (models/qlora.py)
+        flat += ["--model.model_config.pet_method", "qlora", "--model.model_config.pet_config.target_modules", LINEARS]
     cfg = load_config(None, flat + MODES[mode])
     env = init_parallel(cfg)
     dev = env.device
@@ -152,6 +157,9 @@ def run_mode(args, mode: str, acc) -> dict:
         "micro_batch": args.batch,
         "dtype": args.dtype,
         "fsdp": args.fsdp,
+        "qlora": args.qlora,
+        "params_bytes": tensor_bytes(built.parts.parameters()),  # this device's: NF4 codes and scales included
+        "predicted_params_bytes": st.memory.params_bytes,
         "build_s": round(t_build, 2),
         "step_s": step_s,
         "tokens_per_s_per_device": tok_s,
@@ -194,6 +202,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     ap.add_argument("--modes", default="selective", help=f"comma-separated, of {', '.join(MODES)}")
     ap.add_argument("--fsdp", action="store_true", help="shard parameters, gradients and states (FSDP2)")
+    ap.add_argument("--qlora", action="store_true", help="QLoRA: adapters on every linear over an NF4 base")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=5, help="timed steps per mode")
     ap.add_argument("--budget-s", type=float, default=0, help="start no further mode after this many seconds")
