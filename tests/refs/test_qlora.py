@@ -187,3 +187,20 @@ def test_a_bitsandbytes_8bit_directory_is_refused(tmp_path, capsys):
     assert main(["import", str(tmp_path / "hf"), "--output", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "8-bit" in err and "load_in_4bit" in err, err
+
+
+def test_the_nf4_base_holds_under_0_6_bytes_a_weight_and_the_planner_counts_it_exactly():
+    from meshformer.models.qlora import is_nf4
+    from meshformer.parallel.dims import ParallelDims
+    from meshformer.planner.memory import plan_memory
+    from meshformer.train.metrics import tensor_bytes
+
+    cfg = load_config(None, [f"--{k}={v}" for k, v in OURS.items()])
+    model = _qlora_from(_hf_llama(), cfg)
+    base = [p for p in model.parameters() if is_nf4(p)]
+    per_weight = tensor_bytes(base) / sum(p.numel() for p in base)
+    # 4-bit codes (0.5), an int8 scale per 64 weights (1/64), an fp32 factor per scaler block, the mean and the
+    # 16-entry table per weight: 0.53 on these small layers, 0.516 on a 4096 x 4096 one
+    assert 0.5 < per_weight <= 0.6
+    (stage,) = plan_memory(cfg, ParallelDims.from_config(cfg, 1), 1, 1)
+    assert stage.params_bytes == tensor_bytes(model.parameters())

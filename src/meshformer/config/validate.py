@@ -336,6 +336,13 @@ def check_quantized_base(cfg: MeshformerConfig) -> None:
             f"model_parallel={cfg.parallel_config.model_parallel}: an NF4 weight splits only by rows into whole "
             f"blocks, a row-parallel linear would cut them; use data_parallel (with optimizer_shard) instead"
         )
+    shard, dp = shard_degree(cfg), cfg.parallel_config.data_parallel
+    if 1 < shard < dp:  # torchao's NF4 all-gather takes a 1-D mesh
+        raise UserError(
+            f"model.model_config.pet_config.quantize_base={mc.pet_config.quantize_base} with optimizer_parallel="
+            f"{shard} of data_parallel={dp} (HSDP): the NF4 base shards over one mesh dimension only; shard over "
+            f"all data-parallel ranks (optimizer_parallel: {dp}) or none"
+        )
 
 
 def shard_degree(cfg: MeshformerConfig) -> int:
