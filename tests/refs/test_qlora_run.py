@@ -74,3 +74,8 @@ def test_the_exported_adapter_applies_to_the_unquantized_base(qlora_run):
         dequantized.load_state_dict(family_of(mc).to_hf_state(state, mc))
         theirs = peft.PeftModel.from_pretrained(dequantized.eval(), root / "adapter").eval()
         torch.testing.assert_close(theirs(x).logits, ours(x), rtol=1e-4, atol=1e-4)
+    # --merge-lora folds the adapters into the dequantized base: a plain model with our logits
+    assert main(["export", str(root / "full"), "--output", str(root / "merged"), "--merge-lora"]) == 0
+    merged = transformers.AutoModelForCausalLM.from_pretrained(root / "merged", dtype=torch.float32).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(merged(x).logits, ours(x), rtol=1e-4, atol=1e-4)

@@ -147,8 +147,11 @@ def lora_layers(model: nn.Module) -> dict[str, LoRALinear]:
 
 @torch.no_grad()
 def merged_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The base model's state dict with every adapter folded in: W + (alpha / r) B A (what PEFT's merge does)."""
-    state = {base_name(k): v for k, v in model.state_dict().items() if base_name(k) is not None}
+    """The base model's state dict with every adapter folded in: W + (alpha / r) B A (what PEFT's merge does); a
+    QLoRA base's W is its dequantized NF4 weight."""
+    from meshformer.models.qlora import dequantized_state_dict
+
+    state = {base_name(k): v for k, v in dequantized_state_dict(model).items() if base_name(k) is not None}
     for path, layer in lora_layers(model).items():
         delta = (layer.lora_B.weight.float() @ layer.lora_A.weight.float()) * layer.scaling
         key = f"{path}.weight"
