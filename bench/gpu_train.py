@@ -11,6 +11,7 @@ CPU the activation counter's figure stands in), and what `meshformer plan` predi
     python bench/gpu_train.py --preset 1b --seq 2048 --batch 4 --modes none,selective,full,swap
     torchrun --nproc-per-node 8 bench/gpu_train.py --preset 8b --seq 2048 --batch 1 --fsdp --modes selective
     python bench/gpu_train.py --preset tiny --seq 128 --batch 2 --steps 2   # CPU: the script cannot rot
+    python bench/gpu_train.py --preset 8b --seq 2048 --batch 1 --qlora --modes full   # QLoRA memory on one GPU
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ PRESETS = {  # Llama 3.2 1B and Llama 3.1 8B shapes; tiny for CPU smoke runs
         theta=500000.0,
     ),
 }
+LINEARS = "[q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj]"
 EAGER = ["--compile", "false"]  # explicit: `compile: auto` would compile these on a GPU
 MODES = {
     "none": EAGER,
@@ -87,6 +89,7 @@ def run_mode(args, mode: str, acc) -> dict:
     from meshformer.planner.plan import make_plan
     from meshformer.train.hooks import StepContext
     from meshformer.train.memory import counter_for
+    from meshformer.train.metrics import tensor_bytes
     from meshformer.train.optim import Optimizers
     from meshformer.train.step import build_parts, train_step
 
@@ -102,6 +105,8 @@ def run_mode(args, mode: str, acc) -> dict:
         flat += ["--fp8_config.enable", "true", "--fp8_config.recipe", args.fp8]
         if args.fsdp and args.fp8 == "tensorwise" and torch.cuda.is_available():
             flat += ["--fp8_config.enable_fsdp_float8_all_gather", "true"]
+    if args.qlora:  # LoRA on every decoder linear over their NF4 base (models/qlora.py)
+        flat += ["--model.model_config.pet_method", "qlora", "--model.model_config.pet_config.target_modules", LINEARS]
     cfg = load_config(None, flat + MODES[mode])
     env = init_parallel(cfg)
     dev = env.device
@@ -158,6 +163,9 @@ def run_mode(args, mode: str, acc) -> dict:
         "fsdp": args.fsdp,
         "fp8": args.fp8 or None,
         "fp8_note": built.parts.fp8_note,
+        "qlora": args.qlora,
+        "params_bytes": tensor_bytes(built.parts.parameters()),  # this device's: NF4 codes and scales included
+        "predicted_params_bytes": st.memory.params_bytes,
         "build_s": round(t_build, 2),
         "step_s": step_s,
         "tokens_per_s_per_device": tok_s,
@@ -206,6 +214,7 @@ def main() -> None:
         choices=("", "tensorwise", "rowwise", "rowwise_with_gw_hp"),
         help="train the decoder's linears in FP8 with this recipe (fp8_config; needs --dtype bfloat16)",
     )
+    ap.add_argument("--qlora", action="store_true", help="QLoRA: adapters on every linear over an NF4 base")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=5, help="timed steps per mode")
     ap.add_argument("--budget-s", type=float, default=0, help="start no further mode after this many seconds")

@@ -144,6 +144,15 @@ VARIANTS = {
         "model.model_config.pet_config.lora_rank": 4,
         "model.model_config.pet_config.target_modules": ".*q_proj|.*v_proj|.*o_proj|.*gate_proj|.*down_proj",
     },
+    # QLoRA: LoRA over an NF4 base (models/qlora.py), 256 wide so an FSDP shard holds whole NF4 scaler blocks
+    # (k_proj: 128 x 256 = 512 blocks of 64 = 2 scaler blocks of 256).
+    "qlora": {
+        "model.model_config.pet_method": "qlora",
+        "model.model_config.pet_config.lora_rank": 4,
+        "model.model_config.pet_config.target_modules": ".*q_proj|.*k_proj|.*v_proj|.*o_proj|.*gate_proj|.*down_proj",
+        "model.model_config.hidden_size": 256,
+        "model.model_config.intermediate_size": 512,
+    },
     "packed": {},  # fp32, every row packs several documents (batches(packed=True)): document masking
     "compiled": {"compile": True},  # fp32, every decoder layer through torch.compile (Inductor's C++ on a CPU)
     # Qwen3-MoE-shaped: every layer 8 routed experts, top-2 (the expert-parallel cases)

@@ -58,6 +58,16 @@ def test_gpu_bench_trains_the_tiny_preset_on_the_cpu_in_every_recompute_mode(tmp
     assert "| tiny | 4 | 64 x 2 | full |" in out_text  # the table a user reads
 
 
+def test_gpu_bench_trains_the_tiny_preset_as_qlora(tmp_path):
+    out = tmp_path / "rows.jsonl"
+    cmd = [sys.executable, str(ROOT / "bench" / "gpu_train.py"), *TINY, "--qlora", "--modes", "full"]
+    _run([*cmd, "--json", str(out)])
+    (row,) = _rows(out)
+    assert row["qlora"] is True
+    _check_row(row, 1)
+    assert row["params_bytes"] == row["predicted_params_bytes"]  # the NF4 base counted exactly
+
+
 def test_gpu_bench_under_torchrun_shards_with_fsdp(tmp_path):
     out = tmp_path / "rows.jsonl"
     script = str(ROOT / "bench" / "gpu_train.py")

@@ -42,6 +42,11 @@ WORLD2 = [
     "fsdp2_sel",
     "fsdp2_offload_accum",
     *[c for c in harness.CASES if c.startswith("pp2_")],
+    # QLoRA: the NF4 base sharded by FSDP (gathered as NF4), cut by the pipeline, left whole by replication
+    "fsdp2:qlora",
+    "fsdp2_zero3_rc_accum:qlora",
+    "pp2_1f1b:qlora",
+    "dp2_accum:qlora",
     "tp2_sp_accum:tied",
     "tp2_sp_accum:wrapped",
     "fsdp2:bf16",

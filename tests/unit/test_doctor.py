@@ -149,3 +149,17 @@ def test_the_k_v_gathers_of_context_parallel_are_in_the_step_time():
     assert t.cp_bytes == 2 * (mc.num_layers / 2) * plans[2].n_micro * kv / 2
     assert plans[1].throughput.cp_bytes == 0 and t.cp_s > 0
     assert plans[2].throughput.tp_bytes == plans[1].throughput.tp_bytes / 2  # a cp rank's tp traffic: its tokens
+
+
+def test_a_lora_run_that_does_not_fit_is_offered_qlora(capsys):
+    """Llama 2 7B LoRA over a bf16 base on a 16 GB card: 12.6 GiB of frozen weights; the NF4 base (QLoRA) fits."""
+    capsys.readouterr()
+    qlora = str(ROOT / "configs" / "llama2_7b_qlora_24gb.yaml")
+    lora = ["--model.model_config.pet_config.quantize_base", "none", "--model.model_config.param_init_type", "bfloat16"]
+    rc = main(["doctor", qlora, "--device-memory", "16", "--model.model_config.pet_method", "lora", *lora])
+    out = " ".join(capsys.readouterr().out.split())
+    assert rc == 1 and "out of memory: pipeline rank 0 needs 20.0 GiB of 14.9 GiB (weights 12.6" in out
+    assert "model.model_config.pet_config.quantize_base: nf4 (QLoRA: the frozen base in 4 bits): saves 9.8 GiB" in out
+    assert main(["plan", qlora, "--device-memory", "24"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "│ 0 │ 32 │ 4.24 │" in out and "fits" in out

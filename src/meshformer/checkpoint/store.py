@@ -149,10 +149,22 @@ def clean_leftovers(output_dir: str | Path) -> list[Path]:
 
 
 def model_state_dict(parts) -> dict:
+    """The parts' tensors a checkpoint holds: all but a QLoRA run's NF4 base weights, which are frozen and
+    quantized again from the run's base source on resume (the same weights give the same codes)."""
+    from meshformer.models.qlora import is_nf4
+
     sd = {}
     for m in parts:
-        sd.update(get_model_state_dict(m))
+        sd.update({k: v for k, v in get_model_state_dict(m).items() if not is_nf4(v)})
     return sd
+
+
+def nf4_shapes(parts) -> dict[str, tuple[int, ...]]:
+    """{name: full shape} of the parts' NF4 (QLoRA base) weights."""
+    from meshformer.models.init import canonical_name
+    from meshformer.models.qlora import is_nf4
+
+    return {canonical_name(n): tuple(p.shape) for m in parts for n, p in m.named_parameters() if is_nf4(p)}
 
 
 FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
@@ -234,13 +246,21 @@ def load_model_weights(path: Path, parts, expected: dict[str, tuple[int, ...]] |
     adapters start fresh); `expected` is then in the checkpoint's names."""
     sd = model_state_dict(parts)
     wanted = sd if rename is None else {rename(k): v for k, v in sd.items() if rename(k) is not None}
+    nf4 = nf4_shapes(parts)
     if expected is None:
         check_model_fits(path, {k: tuple(v.shape) for k, v in wanted.items()}, complete=False)  # DTensor: global
+    elif rename is None:  # a checkpoint of this run: everything but the NF4 base (model_state_dict)
+        check_model_fits(path, {k: v for k, v in expected.items() if k not in nf4})
     else:
         check_model_fits(path, expected)
     _dcp_load(wanted, path / "model")  # fills the tensors of `sd` in place (`wanted` holds the same objects)
     for m in parts:
         set_model_state_dict(m, sd, options=StateDictOptions(strict=False))
+    if rename is not None and nf4:  # base weights into a QLoRA model: whole on every rank, then quantized
+        full = {rename(k): torch.empty(shape) for k, shape in nf4.items()}
+        _dcp_load(full, path / "model")
+        for m in parts:
+            fill_nf4_weights(m, {k: full[rename(k)] for k in nf4})
 
 
 def load_full_weights(parts, tensors: dict[str, torch.Tensor]) -> None:
@@ -248,8 +268,24 @@ def load_full_weights(parts, tensors: dict[str, torch.Tensor]) -> None:
     their own shard, pipeline stages their own layers (names they lack are not theirs)."""
     for m in parts:
         names = set(m.state_dict())
-        mine = {k: v for k, v in tensors.items() if k in names}
+        nf4 = fill_nf4_weights(m, tensors)
+        mine = {k: v for k, v in tensors.items() if k in names and k not in nf4}
         set_model_state_dict(m, mine, options=StateDictOptions(full_state_dict=True, strict=False))
+
+
+def fill_nf4_weights(part, tensors: dict[str, torch.Tensor]) -> set[str]:
+    """Quantize the full tensors of `part`'s NF4 (QLoRA base) weights into them, every rank from the whole weight
+    (models/qlora.py `fill_nf4`); returns their names."""
+    from meshformer.models.init import canonical_name
+    from meshformer.models.qlora import fill_nf4, is_nf4
+
+    filled = set()
+    for name, p in part.named_parameters():
+        key = canonical_name(name)
+        if key in tensors and is_nf4(p):
+            fill_nf4(p, tensors[key])
+            filled.add(key)
+    return filled
 
 
 def load_optimizer(path: Path, parts, optimizers) -> None:

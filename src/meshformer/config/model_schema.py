@@ -43,6 +43,12 @@ class PetConfig:
         ".*q_proj|.*k_proj|.*v_proj|.*o_proj",
         "Linears to adapt: a regex over module paths (MindSpore's wq wk wv wo w1 w2 w3 work) or a list of names.",
     )
+    quantize_base: str = setting(
+        "none",
+        "Store the frozen base linears of a LoRA model in 4-bit: nf4 (QLoRA's NormalFloat, blocks of 64 weights, "
+        "double-quantized scales; needs torchao: pip install meshformer[lowp]).",
+        choices=("none", "nf4"),
+    )
     freeze_include: list = setting([], "Freeze parameters whose names match these globs, e.g. ['embed_tokens.*'].")
     freeze_exclude: list = setting([], "...except those matching these globs (they stay trainable).")
 
@@ -106,7 +112,9 @@ class ModelConfig:
     )
     pet_config: PetConfig = setting(PetConfig, "Parameter-efficient fine-tuning (pet_type: lora).")
     pet_method: str = setting(
-        "none", "Short form of pet_config.pet_type (`pet_method: lora`).", choices=("none", "lora")
+        "none",
+        "Short form of pet_config: lora sets pet_type lora; qlora also sets quantize_base nf4.",
+        choices=("none", "lora", "qlora"),
     )
     offset: int | list = setting(0, "Pipeline layer split: 0 for even, or a list of per-stage layer-count adjustments.")
 

@@ -47,8 +47,11 @@ def validate_config(cfg: MeshformerConfig) -> None:
         )
     if mc.rms_norm_eps >= 1:
         raise UserError(f"model.model_config.rms_norm_eps={mc.rms_norm_eps} is too large: use a small value like 1e-5")
-    if mc.pet_method == "lora":  # the short form switches LoRA on with pet_config's (default) settings
+    if mc.pet_method in ("lora", "qlora"):  # the short form switches LoRA on with pet_config's (default) settings
         mc.pet_config.pet_type = "lora"
+    if mc.pet_method == "qlora":
+        mc.pet_config.quantize_base = "nf4"
+    check_quantized_base(cfg)
     widest = max(mc.hidden_size, mc.num_heads * mc.dim_per_head, mc.ffn_hidden_size)
     if mc.pet_config.pet_type == "lora" and mc.pet_config.lora_rank > widest:
         # B A has rank at most min(d_out, d_in): a larger r only allocates (r = 10**9 asked for 128 GB at once)
@@ -315,6 +318,31 @@ def check_context_parallel(cfg: MeshformerConfig) -> None:
     for bad, what, fix in not_yet:
         if bad:
             raise UserError(f"{head} with {what} is not yet supported: use {fix}, or context_parallel: 1")
+
+
+def check_quantized_base(cfg: MeshformerConfig) -> None:
+    """An NF4 base (QLoRA) is the frozen base of LoRA adapters, and takes no tensor parallelism."""
+    mc = cfg.model.model_config
+    if mc.pet_config.quantize_base == "none":
+        return
+    if mc.pet_config.pet_type != "lora":
+        raise UserError(
+            f"model.model_config.pet_config.quantize_base={mc.pet_config.quantize_base} quantizes the frozen base of "
+            f"LoRA adapters: set pet_config.pet_type: lora (or model_config.pet_method: qlora)"
+        )
+    if cfg.parallel_config.model_parallel > 1:
+        raise UserError(
+            f"model.model_config.pet_config.quantize_base={mc.pet_config.quantize_base} with parallel_config."
+            f"model_parallel={cfg.parallel_config.model_parallel}: an NF4 weight splits only by rows into whole "
+            f"blocks, a row-parallel linear would cut them; use data_parallel (with optimizer_shard) instead"
+        )
+    shard, dp = shard_degree(cfg), cfg.parallel_config.data_parallel
+    if 1 < shard < dp:  # torchao's NF4 all-gather takes a 1-D mesh
+        raise UserError(
+            f"model.model_config.pet_config.quantize_base={mc.pet_config.quantize_base} with optimizer_parallel="
+            f"{shard} of data_parallel={dp} (HSDP): the NF4 base shards over one mesh dimension only; shard over "
+            f"all data-parallel ranks (optimizer_parallel: {dp}) or none"
+        )
 
 
 def shard_degree(cfg: MeshformerConfig) -> int:

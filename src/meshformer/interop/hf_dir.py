@@ -23,6 +23,7 @@ from safetensors import SafetensorError, safe_open
 from meshformer.checkpoint.contents import outside
 from meshformer.checkpoint.safetensors_file import save_safetensors
 from meshformer.errors import UserError, first_line
+from meshformer.interop.bnb_4bit import check_importable_quantization, dequantize_bnb_4bit, is_bnb_4bit
 from meshformer.interop.source import SourceModel
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
@@ -134,7 +135,10 @@ def read_hf_dir(path: str | Path) -> SourceModel:
     if not (d / "config.json").is_file():
         raise UserError(f"{d}: no config.json: pass a Hugging Face model directory or a .gguf file")
     config = _read_json(d / "config.json")
+    check_importable_quantization(config, str(d))
     tensors = _read_tensors(_weight_files(d))
+    if is_bnb_4bit(config):  # a bitsandbytes 4-bit save: dequantized to the dtype it records
+        tensors = dequantize_bnb_4bit(tensors, str(d))
     tok, tok_cfg = read_tokenizer_files(d)
     return SourceModel(config, tensors, tok, tok_cfg, origin=str(d))
 

@@ -18,6 +18,7 @@ from torch import nn
 from meshformer.config.schema import ModelConfig
 from meshformer.dtypes import DTYPE
 from meshformer.models.lora import lora_init
+from meshformer.models.qlora import fill_nf4, is_nf4
 
 # Wrapper prefixes that activation checkpointing and torch.compile add to parameter names.
 WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
@@ -61,7 +62,9 @@ def init_weights(model: nn.Module, seed: int, dtype: torch.dtype | None = None) 
             full = torch.full_like(full, fill)
         if dtype is not None:
             full = full.to(dtype)
-        if hasattr(p, "device_mesh"):  # DTensor: keep this rank's slice of the full tensor
+        if is_nf4(p):  # a QLoRA base weight: the codes of the full weight (models/qlora.py)
+            fill_nf4(p, full)
+        elif hasattr(p, "device_mesh"):  # DTensor: keep this rank's slice of the full tensor
             from torch.distributed.tensor import distribute_tensor
 
             local = distribute_tensor(full.to(p.device), p.device_mesh, p.placements, src_data_rank=None).to_local()

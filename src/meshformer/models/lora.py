@@ -168,12 +168,15 @@ def lora_layers(model: nn.Module) -> dict[str, LoRALinear]:
 
 @torch.no_grad()
 def merged_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The base model's state dict with every adapter folded in: W + (alpha / r) B A (what PEFT's merge does)."""
+    """The base model's state dict with every adapter folded in: W + (alpha / r) B A (what PEFT's merge does); a
+    QLoRA base's W is its dequantized NF4 weight (models/qlora.py NF4Linear.dequantized)."""
     state = {base_name(k): v for k, v in model.state_dict().items() if base_name(k) is not None}
     for path, layer in lora_layers(model).items():
         delta = (layer.lora_B.weight.float() @ layer.lora_A.weight.float()) * layer.scaling
         key = f"{path}.weight"
-        state[key] = (state[key].float() + delta).to(state[key].dtype)
+        base = layer.base_layer
+        weight = base.dequantized() if hasattr(base, "dequantized") else state[key]
+        state[key] = (weight.float() + delta).to(weight.dtype)
     return state
 
 

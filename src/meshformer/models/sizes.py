@@ -55,10 +55,14 @@ def size_fields(mc, names: dict[str, str] | None = None) -> str:
 
 
 def weights_bytes(mc) -> int:
-    """Bytes of the model's weights in param_init_type (what an import, generation or evaluation holds at least)."""
+    """Bytes of the model's weights in param_init_type (what an import, generation or evaluation holds at least);
+    a QLoRA model's at least half a byte each (its NF4 base)."""
     from meshformer.models.registry import family_of
 
-    return family_of(mc).param_count(mc) * torch.empty((), dtype=DTYPE[mc.param_init_type]).element_size()
+    n = family_of(mc).param_count(mc)
+    if mc.pet_config.quantize_base == "nf4":
+        return n // 2
+    return n * torch.empty((), dtype=DTYPE[mc.param_init_type]).element_size()
 
 
 def device_memory_bytes(device: torch.device) -> int | None:

@@ -8,7 +8,8 @@ transformed model and need no transform-specific code.
 Each transform lives in its own module beside the models and is registered in TRANSFORMS, whose order is the
 order they run in:
   1. LoRA               wraps the target linears (must see the original modules)
-  2. freezing           last, so its name patterns see the final parameter names
+  2. NF4 base (QLoRA)   stores LoRA's base linears in 4-bit (models/qlora.py)
+  3. freezing           last, so its name patterns see the final parameter names
 A transform that replaces modules (fused projections, say) joins between them.
 A transform is enabled by its config fields (`wanted`); a run's applied transforms are logged by name.
 """
@@ -32,9 +33,11 @@ class ModelTransform:
 
 def _transforms() -> tuple[ModelTransform, ...]:
     from meshformer.models.lora import apply_lora, lora_wanted
+    from meshformer.models.qlora import apply_nf4_base, nf4_wanted
 
     return (
         ModelTransform("lora", lora_wanted, apply_lora),
+        ModelTransform("nf4 base", nf4_wanted, apply_nf4_base),
         ModelTransform("freeze", lambda cfg: bool(cfg.model.model_config.pet_config.freeze_include), apply_freeze),
     )
 

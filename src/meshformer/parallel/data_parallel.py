@@ -70,9 +70,16 @@ def apply_data_parallel(model: nn.Module, cfg: MeshformerConfig, env: ParallelEn
     else:
         replicate = replicate_with_fsdp()
         mesh = env.mesh_for("dp_replicate")
+        kw = {"mp_policy": mp, "ignored_params": frozen_subclass_params(model)}
         for layer in layers:
-            replicate(layer, mesh=mesh, mp_policy=mp)
-        replicate(model, mesh=mesh, mp_policy=mp)
+            replicate(layer, mesh=mesh, **kw)
+        replicate(model, mesh=mesh, **kw)
+
+
+def frozen_subclass_params(model: nn.Module) -> set[nn.Parameter]:
+    """Frozen parameters of a tensor subclass (a QLoRA NF4 base weight): replication has no gradient of theirs to
+    reduce, and would run their FSDP all-gather hooks on a whole tensor, which they take only as shards."""
+    return {p for p in model.parameters() if not p.requires_grad and type(p) is not nn.Parameter}
 
 
 def shard_experts(model: nn.Module, env: ParallelEnv, reshard: bool, kw: dict) -> set:

@@ -1,8 +1,9 @@
 """`meshformer doctor`: the planner's figures turned into advice, most urgent first (docs/memory.md).
 
 1. Memory: if a stage does not fit, try the knobs cheapest first (a preference run's reference off the device:
-   `adapter` with LoRA, `precomputed`; then micro batch, recompute, the parallel degrees, optimizer sharding and
-   CPU offload) on the planner and say what each saves and whether it then fits.
+   `adapter` with LoRA, `precomputed`; then micro batch, recompute, a LoRA run's base in NF4 (QLoRA), then the
+   parallel degrees, optimizer sharding and CPU offload) on the planner and say what each saves and whether it
+   then fits.
    Too many micro-batches in flight (GPipe keeps all of them, so halving micro_batch_num halves them) are
    caught the same way.
 2. Pipeline bubble over 10%: the micro_batch_num that brings it under.
@@ -54,7 +55,10 @@ def _variant(plan: Plan, **changes) -> Plan | None:
     except UserError:
         return None
     batch = BatchPlan.from_config(cfg, dims)
-    return make_plan(cfg, dims, plan.accelerator, batch.micro_batch, batch.n_micro, plan.nodes, plan.device_memory)
+    try:
+        return make_plan(cfg, dims, plan.accelerator, batch.micro_batch, batch.n_micro, plan.nodes, plan.device_memory)
+    except UserError:  # a change the model refuses (QLoRA on a layer that is no whole number of NF4 blocks)
+        return None
 
 
 def _worst(plan: Plan) -> int:
@@ -101,6 +105,14 @@ def _state_knobs(plan: Plan) -> list[tuple[str, dict]]:
         options.append(("recompute_config.select_recompute: true", {"recompute_config.select_recompute": True}))
     if rc.recompute is not True:
         options.append(("recompute_config.recompute: true", {"recompute_config.recompute": True}))
+    pet = cfg.model.model_config.pet_config
+    if pet.pet_type == "lora" and pet.quantize_base == "none" and pc.model_parallel == 1:
+        options.append(
+            (
+                "model.model_config.pet_config.quantize_base: nf4 (QLoRA: the frozen base in 4 bits)",
+                {"model.model_config.pet_config.quantize_base": "nf4"},
+            )
+        )
     if cfg.model.model_config.compute_dtype == "float32":
         options.append(("model.model_config.compute_dtype: bfloat16", {"model.model_config.compute_dtype": "bfloat16"}))
     if pc.data_parallel > 1 and plan.dims.dp_shard == 1:

@@ -23,11 +23,14 @@ from meshformer.parallel.dims import ParallelDims
 
 
 def state_bytes_floor(cfg: MeshformerConfig, dims: ParallelDims) -> int:
-    """Bytes of parameters + gradients + AdamW moments on the most loaded rank, at the least."""
+    """Bytes of parameters + gradients + AdamW moments on the most loaded rank, at the least (LoRA: the frozen
+    weights alone, their adapters are small; QLoRA: half a byte a weight)."""
     mc = cfg.model.model_config
-    n = family_of(mc).param_count(mc)
+    split = dims.tp * dims.pp * dims.dp_shard
+    if mc.pet_config.pet_type == "lora":
+        return weights_bytes(mc) // split
     item = torch.empty((), dtype=DTYPE[cfg.model.model_config.param_init_type]).element_size()
-    return n * item * 4 // (dims.tp * dims.pp * dims.dp_shard)
+    return family_of(mc).param_count(mc) * item * 4 // split
 
 
 def activation_bytes_floor(cfg: MeshformerConfig, dims: ParallelDims) -> int:

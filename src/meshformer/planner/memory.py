@@ -4,6 +4,8 @@ Model states are counted parameter by parameter on the meta-device model, cut ex
 the pipeline split (`split_pipeline`), the family's tensor-parallel plan (`resolve_plan`: which dimension each
 style shards, uneven splits rounded up) and FSDP's dim-0 shards (padded to equal size). Gradients exist for
 trainable parameters only; AdamW keeps two moments in the parameter's dtype and a 4-byte step per parameter.
+A QLoRA base weight counts its NF4 storage as torchao holds it (models/qlora.py `nf4_local_bytes`): half a byte
+per weight, an int8 scale per 64 weights, a factor per scaler block, the scale mean and the 16-entry code table.
 
 Activations (the bytes autograd saves for backward) are the model family's to say, per decoder layer and
 micro-batch: models/activations.py's `ActivationModel`, which a family registers as its `activation_model`
@@ -112,6 +114,7 @@ def _local_numel(shape: tuple[int, ...], tp_dim: int | None, tp: int, fsdp: int)
 def states_bytes(cfg: MeshformerConfig, dims: ParallelDims, pp_rank: int) -> tuple[int, int, int, int, int]:
     """(parameter, gradient, optimizer-state bytes, decoder layers, local elements of the weights used in matmuls)
     of one rank of pipeline rank `pp_rank`."""
+    from meshformer.models.qlora import is_nf4, nf4_local_bytes
     from meshformer.parallel.tp import resolve_plan
 
     pieces = _pieces(cfg, dims, pp_rank)
@@ -132,8 +135,14 @@ def states_bytes(cfg: MeshformerConfig, dims: ParallelDims, pp_rank: int) -> tup
             else:
                 numel = _local_numel(tuple(p.shape), tp_dim, dims.tp, fsdp)
             nbytes = numel * p.element_size()
+            if is_nf4(p):  # a QLoRA base weight: 4-bit codes and their scales (models/qlora.py)
+                nbytes = nf4_local_bytes(p, fsdp)
             params += nbytes
-            if p.dim() == 2 and (not name.startswith("embed_tokens") or cfg.model.model_config.tie_word_embeddings):
+            if (
+                p.dim() == 2
+                and not is_nf4(p)
+                and (not name.startswith("embed_tokens") or cfg.model.model_config.tie_word_embeddings)
+            ):
                 matmul += _local_numel(tuple(p.shape), tp_dim, dims.tp, 1)
             if p.requires_grad:
                 # torch's vocab-parallel embedding returns a replicated (whole) gradient for its sharded weight, unless
@@ -170,9 +179,11 @@ def expert_local_numel(shape: tuple[int, ...], dims: ParallelDims) -> int:
 def _layer_matmul_elements(piece, key: str, styles: dict[str, str], tp: int) -> int:
     """Local elements of decoder layer `key`'s matmul weights (its 2-D parameters, tensor-parallel cut by the
     piece's resolved `styles`, whole across FSDP: what autocast casts)."""
+    from meshformer.models.qlora import is_nf4
+
     total = 0
     for name, p in piece.layers[key].named_parameters(prefix=f"layers.{key}"):
-        if p.dim() == 2:
+        if p.dim() == 2 and not is_nf4(p):  # an NF4 weight is dequantized per use and never saved
             module, _, leaf = name.rpartition(".")
             total += _local_numel(tuple(p.shape), TP_SHARD_DIM.get(styles.get(module, ""), {}).get(leaf), tp, 1)
     return total

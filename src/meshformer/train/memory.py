@@ -26,7 +26,7 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from meshformer.backends.torch_private import dtensor_local, view_base
-from meshformer.train.metrics import tensor_bytes
+from meshformer.train.metrics import plain_tensors, tensor_bytes
 
 
 class ActivationCounter:
@@ -120,7 +120,7 @@ def counter_for(parts) -> ActivationCounter:
     """A counter for one step of `parts` (ModelParts): the storages of their parameters (a DTensor's local shard)
     and buffers are the model's, and a pipeline stage's receive buffers are held through the step."""
     model = [*parts.parameters(), *(b for part in parts.parts for b in part.buffers())]
-    locals_ = (t.to_local() if hasattr(t, "to_local") else t for t in model)
+    locals_ = (p for t in model for p in plain_tensors(t))
     from torch.distributed.fsdp import FSDPModule
 
     gathering = [m for part in parts.parts for m in part.modules() if isinstance(m, FSDPModule)]

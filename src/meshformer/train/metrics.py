@@ -13,14 +13,22 @@ import math
 from pathlib import Path
 
 
+def plain_tensors(t):
+    """The plain tensors that hold `t`'s data: a DTensor's local shard, and a tensor subclass that wraps others
+    (an NF4 weight: 4-bit codes, int8 scales, factors) its inner tensors."""
+    if hasattr(t, "to_local"):
+        t = t.to_local()
+    if hasattr(t, "__tensor_flatten__") and not hasattr(t, "elem"):
+        for name in t.__tensor_flatten__()[0]:
+            yield from plain_tensors(getattr(t, name))
+    else:
+        yield t
+
+
 def tensor_bytes(tensors) -> int:
-    """Bytes of distinct storages (a DTensor counts its local shard)."""
+    """Bytes of distinct storages (a DTensor counts its local shard, an NF4 weight its codes and scales)."""
     seen, total = set(), 0
-    for t in tensors:
-        if t is None:
-            continue
-        if hasattr(t, "to_local"):
-            t = t.to_local()
+    for t in (p for t in tensors if t is not None for p in plain_tensors(t)):
         st = t.untyped_storage()
         if st.data_ptr() in seen:
             continue

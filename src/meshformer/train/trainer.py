@@ -171,9 +171,30 @@ class Trainer:
         check_resumable(ckpt, state, self._identity())
         self.data.load_state_dict(state)  # refuses other training data
         check_tokenizer(ckpt, self.data.tokenizer_hash)
+        base = self._nf4_base_source(ckpt, state)
+        if base is not None:  # a QLoRA checkpoint holds no NF4 base (checkpoint/store.py): quantize it again
+            self._load_base_weights(base)
         self.checkpoints.load(ckpt, self.parts.parts, self.optimizer.items, self.expected_shapes)
         self.load_state_dict(state)
         self.console.log(f"resumed from {ckpt} at step {self.start_step}")
+
+    def _nf4_base_source(self, ckpt: Path, state: dict) -> Path | None:
+        """Where a resumed QLoRA run's frozen base comes from: load_checkpoint when it names the base (not the
+        checkpoint resumed), else the Hugging Face directory the checkpoint records; None: the seed drew it."""
+        if not store.nf4_shapes(self.parts.parts):
+            return None
+        given = self.cfg.load_checkpoint
+        if given and Path(given).resolve() not in (ckpt.resolve(), self.out.resolve(), ckpt.parent.parent.resolve()):
+            return Path(given)
+        recorded = state.get(BASE_KEY)
+        if recorded and Path(recorded).is_dir():
+            return Path(recorded)
+        if given or recorded:
+            raise UserError(
+                f"resuming the QLoRA run in {ckpt}: its NF4 base is not saved and its source is unknown: give the "
+                f"base model as load_checkpoint with resume_training: auto"
+            )
+        return None
 
     # ---- trainer_state.json -------------------------------------------------------------------------------
     def _identity(self) -> dict:
