@@ -74,7 +74,7 @@ def _as_ids(prompt: list[int] | torch.Tensor) -> list[int]:
     return [int(t) for t in prompt]
 
 
-def _steps(
+def batch_steps(
     model,
     prompts: list[list[int]],
     max_new_tokens: int,
@@ -150,7 +150,7 @@ def generate_batch(
     Rows sample in order from one `generator`, so a batch of one draws what `generate` draws.
     """
     out: list[list[int]] = [[] for _ in prompts]
-    for emitted in _steps(model, prompts, max_new_tokens, temperature, top_p, top_k, greedy, eos_id, generator):
+    for emitted in batch_steps(model, prompts, max_new_tokens, temperature, top_p, top_k, greedy, eos_id, generator):
         for row, tok in zip(out, emitted):
             if tok is not None:
                 row.append(tok)
@@ -169,7 +169,9 @@ def generate_stream(
     generator: torch.Generator | None = None,
 ) -> Iterator[int]:
     """`generate`, one token at a time as each is sampled (the same tokens, the same draws from `generator`)."""
-    steps = _steps(model, [_as_ids(prompt_ids)], max_new_tokens, temperature, top_p, top_k, greedy, eos_id, generator)
+    steps = batch_steps(
+        model, [_as_ids(prompt_ids)], max_new_tokens, temperature, top_p, top_k, greedy, eos_id, generator
+    )
     for (tok,) in steps:
         yield tok
 
@@ -196,4 +198,4 @@ def generate(
     )[0]
 
 
-__all__ = ["generate", "generate_batch", "generate_stream", "next_token", "top_k_filter", "top_p_filter"]
+__all__ = ["batch_steps", "generate", "generate_batch", "generate_stream", "next_token", "top_k_filter", "top_p_filter"]
