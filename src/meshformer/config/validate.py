@@ -196,6 +196,7 @@ def validate_run(cfg: MeshformerConfig, world_size: int | None) -> None:
             "parallel_config.optimizer_shard: true with data_parallel > 1, or cpu_offload: false"
         )
     scale_sense(cfg)  # a malformed runner_wrapper.scale_sense is one line here, before any process
+    check_benchmark_layout(cfg)
     if mc.tie_word_embeddings and pc.pipeline_stage > 1:
         raise UserError(
             "model.model_config.tie_word_embeddings=true cannot be split by pipeline_stage="
@@ -213,6 +214,27 @@ def validate_run(cfg: MeshformerConfig, world_size: int | None) -> None:
         raise UserError(
             f"model.model_config.compute_dtype=float32 is wider than param_init_type="
             f"{mc.param_init_type}: use compute_dtype: {mc.param_init_type}, or param_init_type: float32"
+        )
+
+
+def check_benchmark_layout(cfg: MeshformerConfig) -> None:
+    """eval_config.tasks runs every request on every rank through the whole model's forward and its KV cache
+    (train/benchmarks.py): data parallelism (replicated or FSDP-sharded) gives each rank that model; a layout that
+    splits a forward over ranks (the layers, the heads, the sequence, the experts) does not."""
+    pc = cfg.parallel_config
+    split = {
+        "pipeline_stage": pc.pipeline_stage,
+        "model_parallel": pc.model_parallel,
+        "context_parallel": pc.context_parallel,
+        "expert_parallel": pc.expert_parallel,
+    }
+    over = [f"{k}={v}" for k, v in split.items() if v > 1]
+    if cfg.eval_config.tasks and over:
+        raise UserError(
+            f"eval_config.tasks with parallel_config.{', '.join(over)}: lm-eval's requests run through the whole "
+            "model on every rank, and this layout splits each forward over ranks: train with data parallelism "
+            "only, or leave eval_config.tasks empty and run `meshformer eval --checkpoint DIR --tasks ...` on a "
+            "saved checkpoint"
         )
 
 
