@@ -131,8 +131,10 @@ def ours(bench, out: Path, *extra: str) -> tuple[dict, dict]:
 
 
 def answers(rows: list[dict]) -> list:
-    """Each sample's raw answers as plain lists, in document order."""
-    return json.loads(json.dumps([r["resps"] for r in sorted(rows, key=lambda r: r["doc_id"])]))
+    """Each sample's raw answers as plain lists, in document order: per request, its first answer (under several
+    processes lm-eval evens out the ranks' request counts by running a rank's last request again, and files the
+    repeat's answer beside the first)."""
+    return json.loads(json.dumps([[a[:1] for a in r["resps"]] for r in sorted(rows, key=lambda r: r["doc_id"])]))
 
 
 def assert_same_answers(got: list, want: list) -> None:
@@ -263,7 +265,8 @@ def test_training_refuses_tasks_it_cannot_run(tiny_dataset, task_dir, tmp_path, 
     argv = ["train", EMPTY, *tiny_overrides(tiny_dataset, tmp_path / "a", tasks)]
     fails(capsys, argv, "eval_config.tasks", "'tiny_mcq'", "closest: tiny_mc")
     fails(capsys, [*argv, "--eval_config.tasks", "[tiny_mc]", "--eval_config.limit", "0"], "eval_config.limit")
-    split = {**tasks, "eval_config.tasks": "[tiny_mc]", "parallel_config.model_parallel": 2}
-    cfg = load_config(None, tiny_overrides(tiny_dataset, tmp_path / "b", split))
-    with pytest.raises(UserError, match="eval_config.tasks with parallel_config.model_parallel=2"):
-        validate_run(cfg, 2)
+    for degree in ("data_parallel", "model_parallel"):
+        split = {**tasks, "eval_config.tasks": "[tiny_mc]", f"parallel_config.{degree}": 2}
+        cfg = load_config(None, tiny_overrides(tiny_dataset, tmp_path / "b", split))
+        with pytest.raises(UserError, match=f"eval_config.tasks with parallel_config.{degree}=2, 2 processes"):
+            validate_run(cfg, 2)

@@ -52,10 +52,13 @@ def check_arguments(args) -> list[str]:
 
 def _distributed(device) -> bool:
     """Join torchrun's process group when launched under it (WORLD_SIZE > 1)."""
+    import torch
     import torch.distributed as dist
 
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         return False
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # nccl's object gathers use the current device
     if not dist.is_initialized():
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     return True

@@ -123,9 +123,9 @@ def flat_metrics(results: dict) -> dict[str, float]:
 
 
 class TrainingBenchmarks:
-    """eval_config.tasks on the training model at each evaluation: every rank runs every request (the same
-    forwards in the same order, so a data-parallel model's gathers line up), each task's metrics into the step's
-    record. Everything a task run needs is checked when the trainer starts, before the first step."""
+    """eval_config.tasks on the training model at each evaluation (one-process runs: config/validate.py refuses
+    others), each task's metrics into the step's record. Everything a task run needs is checked when the trainer
+    starts, before the first step."""
 
     def __init__(self, cfg, tokenizer_bytes: bytes | None, side_files: dict[str, bytes]):
         import tempfile

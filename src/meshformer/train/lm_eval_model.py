@@ -153,7 +153,7 @@ class MeshformerLM(TemplateLM):
     def _pad_to_longest_rank(self, n: int) -> int:
         if self.world_size <= 1:
             return 0
-        counts = self.all_gather(torch.tensor(n)).tolist()
+        counts = self.all_gather(torch.tensor(n, device=self._device)).tolist()
         return max(counts) - n
 
     # -- generation ------------------------------------------------------------------------------------------------
