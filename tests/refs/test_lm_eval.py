@@ -207,6 +207,16 @@ def test_bad_input_is_one_line_exit_2(bench, tmp_path, capsys, monkeypatch):
     fails(capsys, [*base, "--tasks", "broken", "--include-path", str(bad)], "broken.yaml does not parse")
     fails(capsys, [*base, "--tasks", "tiny_mc", "--include-path", str(tasks), "--limit", "0"], "--limit 0")
     fails(capsys, [*base, "--tasks", "tiny_mc", "--include-path", str(tmp_path / "nowhere")], "no such file")
+    fails(capsys, [*base, "--tasks", "tiny_mc", "--include-path", str(tasks / "tiny_mc.yaml")], "give the folder")
+    (tmp_path / "long").mkdir()
+    long = tmp_path / "long" / "long.yaml"  # asks for more new tokens than the model has positions
+    long.write_text(f"task: tiny_long\n{SOURCE.format(data=tasks, name='tiny_gen')}{TASK_YAML['tiny_gen']}")
+    long.write_text(long.read_text().replace("max_gen_toks: 10", "max_gen_toks: 64"))
+    # Found once lm-eval has built the requests, after its own notes on the task: the error is the last line.
+    capsys.readouterr()
+    assert main([*base, "--tasks", "tiny_long", "--include-path", str(long.parent)]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "max_gen_toks 64" in err.splitlines()[-1] and "below 64" in err
     monkeypatch.setitem(sys.modules, "lm_eval", None)  # as if not installed: importing it raises ImportError
     fails(capsys, [*base, "--tasks", "tiny_mc"], "not installed", "pip install 'meshformer[eval]'")
 

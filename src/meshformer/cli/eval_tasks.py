@@ -18,9 +18,7 @@ from meshformer.errors import UserError
 def add_arguments(p) -> None:
     g = p.add_argument_group("benchmarks (lm-evaluation-harness; pip install 'meshformer[eval]')")
     g.add_argument("--tasks", metavar="T1,T2", help="lm-eval tasks, groups or tags, comma separated")
-    g.add_argument(
-        "--include-path", metavar="DIR", help="a folder (or file) of task YAMLs of your own, beside lm-eval's"
-    )
+    g.add_argument("--include-path", metavar="DIR", help="a folder of task YAMLs of your own, beside lm-eval's")
     g.add_argument("--num-fewshot", type=int, default=None, metavar="N", help="few-shot examples per prompt")
     g.add_argument("--limit", type=float, default=None, metavar="N", help="documents per task (or a fraction < 1)")
     g.add_argument("--batch-size", type=int, default=1, metavar="N", help="requests per forward pass")

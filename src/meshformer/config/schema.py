@@ -240,7 +240,7 @@ class EvalConfig:
         "lm-evaluation-harness tasks run on the training model at each evaluation, logged as eval/<task>/<metric> "
         "(pip install 'meshformer[eval]'; empty: none).",
     )
-    include_path: str = setting("", "A folder (or file) of task YAMLs of your own for tasks, beside lm-eval's.")
+    include_path: str = setting("", "A folder of task YAMLs of your own for tasks, beside lm-eval's.")
     num_fewshot: int | None = setting(None, "Few-shot examples per prompt for tasks (default: each task's own).", ge=0)
     limit: float | None = setting(
         None, "Documents per task at each evaluation (a fraction when below 1; default: all).", gt=0

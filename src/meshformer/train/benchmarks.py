@@ -41,7 +41,9 @@ def _check_task_files(include: Path, field: str) -> None:
 
     if not include.exists():
         raise UserError(f"{field} {include}: no such file or directory")
-    files = [include] if include.is_file() else sorted([*include.rglob("*.yaml"), *include.rglob("*.yml")])
+    if not include.is_dir():  # lm-eval indexes the YAMLs of folders only
+        raise UserError(f"{field} {include}: give the folder that holds the task YAML, not the file")
+    files = sorted([*include.rglob("*.yaml"), *include.rglob("*.yml")])
     for f in files:
         try:
             cfg = load_yaml(str(f), resolve_func=False)

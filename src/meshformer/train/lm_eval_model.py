@@ -22,6 +22,7 @@ from lm_eval.api.model import TemplateLM
 from lm_eval.models import utils as lm_utils
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
+from meshformer.errors import UserError
 from meshformer.models.generate import batch_steps
 
 MAX_GEN_TOKS = 256  # lm-eval's default for a task that names no max_gen_toks (its `hf` model's)
@@ -174,7 +175,10 @@ class MeshformerLM(TemplateLM):
             until = lm_utils.handle_stop_sequences(kwargs.pop("until", None), eos=eos)
             new = kwargs.pop("max_gen_toks")
             if new >= self.max_length:
-                raise ValueError(f"max_gen_toks {new} leaves no room for a prompt in {self.max_length} positions")
+                raise UserError(
+                    f"a task's generation_kwargs.max_gen_toks {new} leaves no room for a prompt in the model's "
+                    f"{self.max_length} positions: give the task a max_gen_toks below {self.max_length}"
+                )
             prompts = [self.tok_encode(c)[-(self.max_length - new) :] for c in contexts]
             for context, tokens in zip(contexts, self._generate(prompts, new, until, kwargs)):
                 text = lm_utils.postprocess_generated_text(self._decode(tokens), until, None)
