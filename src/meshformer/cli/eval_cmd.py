@@ -1,4 +1,5 @@
-"""`meshformer eval --checkpoint DIR --input FILE [--json]`: mean token loss and perplexity of a text file.
+"""`meshformer eval --checkpoint DIR --input FILE [--json]`: mean token loss and perplexity of a text file;
+`meshformer eval --checkpoint DIR --tasks T1,T2`: lm-evaluation-harness benchmarks (cli/eval_tasks.py).
 
 The text is tokenized with the checkpoint's tokenizer and cut into windows of seq_length + 1 tokens (the last
 one shorter); every token after the first of a window is predicted from the ones before it in that window.
@@ -11,15 +12,19 @@ import math
 from pathlib import Path
 
 from meshformer.cli.commands import add_command
+from meshformer.cli.eval_tasks import add_arguments, run_tasks_cmd
 from meshformer.errors import UserError
 
 
 def add_parser(sub) -> None:
-    p = add_command(sub, "eval", "loss and perplexity of a checkpoint on a text file", __doc__)
+    p = add_command(
+        sub, "eval", "loss and perplexity of a checkpoint on a text file, or lm-evaluation-harness benchmarks", __doc__
+    )
     p.add_argument("--checkpoint", required=True, metavar="DIR", help="a checkpoint or a run's output_dir")
-    p.add_argument("--input", required=True, metavar="FILE", help="a UTF-8 text file")
+    p.add_argument("--input", metavar="FILE", help="a UTF-8 text file (loss and perplexity)")
     p.add_argument("--seq-length", type=int, default=None, metavar="N", help="window length (default: the model's)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    add_arguments(p)
     p.set_defaults(func=run)
 
 
@@ -29,6 +34,10 @@ def run(args) -> int:
 
     from meshformer.interop.inference import load_for_inference
 
+    if args.tasks is not None:
+        return run_tasks_cmd(args)
+    if args.input is None:
+        raise UserError("give --input FILE (loss and perplexity) or --tasks T1,T2 (lm-evaluation-harness benchmarks)")
     if args.seq_length is not None and args.seq_length < 1:  # checked first: 0 must not mean "the model's"
         raise UserError(f"--seq-length {args.seq_length}: give a window of at least 1 token, or leave it out")
     src = Path(args.input)

@@ -238,6 +238,17 @@ class EvalConfig:
         0, "Evaluate on the validation split every this many steps (0: only when do_eval and at the end).", ge=0
     )
     eval_iters: int = setting(8, "Validation batches per evaluation.", gt=0)
+    tasks: list = setting(
+        [],
+        "lm-evaluation-harness tasks run on the training model at each evaluation, logged as eval/<task>/<metric> "
+        "(pip install 'meshformer[eval]'; empty: none).",
+    )
+    include_path: str = setting("", "A folder of task YAMLs of your own for tasks, beside lm-eval's.")
+    num_fewshot: int | None = setting(None, "Few-shot examples per prompt for tasks (default: each task's own).", ge=0)
+    limit: float | None = setting(
+        None, "Documents per task at each evaluation (a fraction when below 1; default: all).", gt=0
+    )
+    batch_size: int = setting(1, "Requests per forward pass when running tasks.", gt=0)
 
 
 @dataclass

@@ -199,6 +199,7 @@ def validate_run(cfg: MeshformerConfig, world_size: int | None) -> None:
             "parallel_config.optimizer_shard: true with data_parallel > 1, or cpu_offload: false"
         )
     scale_sense(cfg)  # a malformed runner_wrapper.scale_sense is one line here, before any process
+    check_benchmark_layout(cfg, world_size)
     if mc.tie_word_embeddings and pc.pipeline_stage > 1:
         raise UserError(
             "model.model_config.tie_word_embeddings=true cannot be split by pipeline_stage="
@@ -216,6 +217,30 @@ def validate_run(cfg: MeshformerConfig, world_size: int | None) -> None:
         raise UserError(
             f"model.model_config.compute_dtype=float32 is wider than param_init_type="
             f"{mc.param_init_type}: use compute_dtype: {mc.param_init_type}, or param_init_type: float32"
+        )
+
+
+def check_benchmark_layout(cfg: MeshformerConfig, world_size: int | None) -> None:
+    """eval_config.tasks runs lm-eval on the training model in one process (train/benchmarks.py). Under several
+    processes every rank would have to run the same requests in step with the others through a split or sharded
+    model, which is not proven yet: refused, with the way that works (a saved checkpoint under torchrun)."""
+    pc = cfg.parallel_config
+    degrees = {
+        "data_parallel": pc.data_parallel,
+        "pipeline_stage": pc.pipeline_stage,
+        "model_parallel": pc.model_parallel,
+        "context_parallel": pc.context_parallel,
+        "expert_parallel": pc.expert_parallel,
+    }
+    over = [f"parallel_config.{k}={v}" for k, v in degrees.items() if v > 1]
+    if world_size is not None and world_size > 1:
+        over.append(f"{world_size} processes")
+    if cfg.eval_config.tasks and over:
+        raise UserError(
+            f"eval_config.tasks with {', '.join(over)}: lm-eval tasks run during one-process training only (ranks "
+            "running lm-eval in step through a split model are not supported yet): leave eval_config.tasks empty "
+            "and run `meshformer eval --checkpoint DIR --tasks ...` on a saved checkpoint (under torchrun it splits "
+            "the documents over ranks)"
         )
 
 

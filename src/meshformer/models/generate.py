@@ -87,7 +87,7 @@ def _as_ids(prompt: list[int] | torch.Tensor) -> list[int]:
     return [int(t) for t in prompt]
 
 
-def _steps(
+def batch_steps(
     model,
     prompts: list[list[int]],
     max_new_tokens: int,
@@ -155,7 +155,7 @@ def generate_batch(
     Rows sample in order from one `generator`, so a batch of one draws what `generate` draws.
     """
     out: list[list[int]] = [[] for _ in prompts]
-    for emitted in _steps(model, prompts, max_new_tokens, **sampling):
+    for emitted in batch_steps(model, prompts, max_new_tokens, **sampling):
         for row, tok in zip(out, emitted):
             if tok is not None:
                 row.append(tok)
@@ -166,7 +166,7 @@ def generate_stream(
     model, prompt_ids: list[int] | torch.Tensor, max_new_tokens: int, **sampling: Unpack[Sampling]
 ) -> Iterator[int]:
     """`generate`, one token at a time as each is sampled (the same tokens, the same draws from `generator`)."""
-    for (tok,) in _steps(model, [_as_ids(prompt_ids)], max_new_tokens, **sampling):
+    for (tok,) in batch_steps(model, [_as_ids(prompt_ids)], max_new_tokens, **sampling):
         yield tok
 
 
@@ -182,4 +182,13 @@ def generate(
     return generate_batch(model, [_as_ids(prompt_ids)], max_new_tokens, **sampling)[0]
 
 
-__all__ = ["Sampling", "generate", "generate_batch", "generate_stream", "next_token", "top_k_filter", "top_p_filter"]
+__all__ = [
+    "Sampling",
+    "batch_steps",
+    "generate",
+    "generate_batch",
+    "generate_stream",
+    "next_token",
+    "top_k_filter",
+    "top_p_filter",
+]

@@ -1,4 +1,5 @@
-"""The trainer's evaluation component: the validation loss on its schedule, and early stopping on it.
+"""The trainer's evaluation component: the validation loss on its schedule, and early stopping on it; with
+eval_config.tasks, lm-evaluation-harness tasks on the same schedule (train/benchmarks.py), logged beside it.
 
 `eval_config.eval_interval` steps apart, and after the last step with `do_eval`; each evaluation runs train/step.py's
 `evaluate` (the parity suite's too) over the first `eval_iters` validation batches, a fixed order, so the losses
@@ -30,6 +31,11 @@ class Evaluation:
         self.cfg, self.env, self.data, self.log = cfg, env, data, log
         self.objective = objective
         self.early = EarlyStopping(cfg.runner_config.early_stopping_patience)
+        self.benchmarks = None
+        if cfg.eval_config.tasks:  # lm-eval is imported (and every task checked) only when tasks are asked for
+            from meshformer.train.benchmarks import TrainingBenchmarks
+
+            self.benchmarks = TrainingBenchmarks(cfg, data.tokenizer_bytes, data.tokenizer_side_files)
 
     def state_dict(self) -> dict:
         return self.early.state()
@@ -55,9 +61,13 @@ class Evaluation:
         return {"loss": evaluate(parts, self.env, batches, self.data.eval_micro_batch, ignore)}
 
     def after_step(self, done: int, parts: ModelParts, rec: dict) -> bool:
-        """Evaluate when due (into rec["eval_loss"]); True when that is the best loss so far and early stopping
-        is on (the trainer then saves a checkpoint marked best)."""
-        if self.data.eval_ds is None or not self.due(done):
+        """Evaluate when due (into rec["eval_loss"], and each task's rec["eval/<task>/<metric>"]); True when that
+        is the best loss so far and early stopping is on (the trainer then saves a checkpoint marked best)."""
+        if not self.due(done):
+            return False
+        if self.benchmarks is not None:
+            rec.update(self.benchmarks.run(parts))
+        if self.data.eval_ds is None:
             return False
         got = self.evaluate_with_metrics(parts)
         rec["eval_loss"] = got.pop("loss")

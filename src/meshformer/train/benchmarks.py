@@ -1,0 +1,167 @@
+"""lm-evaluation-harness tasks on meshformer's model: the task registry, input checks, the run, the metrics.
+
+Shared by `meshformer eval --tasks` (a checkpoint) and the trainer (eval_config.tasks, on the training model).
+Tasks come from lm-eval's registry or from task YAMLs under an include path (local data files: no hub). Every
+check here is one line naming the option and the fix: lm-eval not installed, an unknown task (with the closest
+names lm-eval knows), a task file that does not parse, a limit of 0.
+"""
+
+from __future__ import annotations
+
+import difflib
+import logging
+from pathlib import Path
+
+from meshformer.errors import UserError
+
+EXTRA = "pip install 'meshformer[eval]'"
+
+
+def require_lm_eval(field: str) -> None:
+    """One line naming the extra to install when lm-eval is missing."""
+    try:
+        import lm_eval  # noqa: F401
+    except ImportError:
+        raise UserError(f"{field} runs lm-evaluation-harness, which is not installed: {EXTRA}") from None
+
+
+def check_limit(limit: float | None, field: str) -> None:
+    """lm-eval's limit: a count of documents (>= 1) or a fraction of them (0 < limit < 1)."""
+    if limit is not None and limit <= 0:
+        raise UserError(
+            f"{field} {limit:g}: give a number of documents per task (>= 1) or a fraction (0 < limit < 1), "
+            "or leave it out for all of them"
+        )
+
+
+def _check_task_files(include: Path, field: str) -> None:
+    """Parse every task YAML under `include` as lm-eval will (its index skips a bad file without a word)."""
+    # lm-eval's own YAML reader (its `!function` tags, `include:`); no public name in the pinned 0.4.13
+    from lm_eval.tasks._yaml_loader import load_yaml
+
+    if not include.exists():
+        raise UserError(f"{field} {include}: no such file or directory")
+    if not include.is_dir():  # lm-eval indexes the YAMLs of folders only
+        raise UserError(f"{field} {include}: give the folder that holds the task YAML, not the file")
+    files = sorted([*include.rglob("*.yaml"), *include.rglob("*.yml")])
+    for f in files:
+        try:
+            cfg = load_yaml(str(f), resolve_func=False)
+        except Exception as e:  # yaml's errors, an !include that is missing, ...
+            why = " ".join(str(e).split())
+            raise UserError(f"{field}: task file {f} does not parse: {why}") from None
+        if not isinstance(cfg, dict) or not (cfg.get("task") or cfg.get("group") or cfg.get("tag")):
+            raise UserError(f"{field}: task file {f} names no task (a `task:` key), nor a group or tag")
+
+
+def task_manager(include_path: str | None, field: str = "--include-path"):
+    """lm-eval's TaskManager over its registry plus the task YAMLs under include_path (checked first)."""
+    from lm_eval.tasks import TaskManager
+
+    logging.getLogger("lm_eval").setLevel(logging.WARNING)
+    if include_path:
+        _check_task_files(Path(include_path), field)
+        return TaskManager(include_path=str(include_path))
+    return TaskManager()
+
+
+def check_tasks(manager, names: list[str], field: str) -> None:
+    """Every name is a task, group or tag lm-eval knows; else one line with the closest it does."""
+    if not names:
+        raise UserError(f"{field}: name at least one lm-eval task (comma separated)")
+    known = set(manager.all_tasks)
+    for name in names:
+        if name in known or manager.match_tasks([name]):
+            continue
+        close = difflib.get_close_matches(name, manager.all_tasks, n=3, cutoff=0.6)
+        hint = f" (closest: {', '.join(close)})" if close else ""
+        raise UserError(
+            f"{field}: {name!r} is not an lm-eval task{hint}: `lm-eval ls tasks` lists them; a task of your own is "
+            "a YAML under --include-path DIR (eval_config.include_path)"
+        )
+
+
+def run_tasks(
+    lm,
+    manager,
+    tasks: list[str],
+    *,
+    num_fewshot: int | None = None,
+    limit: float | None = None,
+    apply_chat_template: bool = False,
+    log_samples: bool = False,
+    tracker=None,
+    seed: int | None = None,
+) -> dict | None:
+    """lm-eval's simple_evaluate on `lm`; its results dict on rank 0, None on the other ranks. `seed` (few-shot
+    sampling, sampled generation) replaces lm-eval's default seeds, so that its own runs compare without it."""
+    import lm_eval
+
+    seeds = {} if seed is None else {f"{k}random_seed": seed for k in ("", "numpy_", "torch_", "fewshot_")}
+    return lm_eval.simple_evaluate(
+        model=lm,
+        tasks=tasks,
+        task_manager=manager,
+        num_fewshot=num_fewshot,
+        limit=limit,
+        apply_chat_template=apply_chat_template,
+        log_samples=log_samples,
+        evaluation_tracker=tracker,
+        **seeds,
+    )
+
+
+def flat_metrics(results: dict) -> dict[str, float]:
+    """{"eval/<task>/<metric>": value} of every numeric metric (not its stderr); a filter other than lm-eval's
+    "none" is kept in the name: "eval/<task>/<metric>_<filter>"."""
+    out: dict[str, float] = {}
+    for task, metrics in results.get("results", {}).items():
+        for key, value in metrics.items():
+            metric, _, filt = key.partition(",")
+            if not filt or metric.endswith("_stderr") or not isinstance(value, (int, float)):
+                continue
+            out[f"eval/{task}/{metric if filt == 'none' else f'{metric}_{filt}'}"] = float(value)
+    return out
+
+
+class TrainingBenchmarks:
+    """eval_config.tasks on the training model at each evaluation (one-process runs: config/validate.py refuses
+    others), each task's metrics into the step's record. Everything a task run needs is checked when the trainer
+    starts, before the first step."""
+
+    def __init__(self, cfg, tokenizer_bytes: bytes | None, side_files: dict[str, bytes]):
+        import tempfile
+
+        from meshformer.dtypes import DTYPE
+        from meshformer.train.lm_eval_model import hf_tokenizer
+
+        ec, mc = cfg.eval_config, cfg.model.model_config
+        require_lm_eval("eval_config.tasks")
+        check_limit(ec.limit, "eval_config.limit")
+        self.manager = task_manager(ec.include_path or None, "eval_config.include_path")
+        check_tasks(self.manager, list(ec.tasks), "eval_config.tasks")
+        if tokenizer_bytes is None:
+            raise UserError(
+                "eval_config.tasks: this run has no tokenizer to write prompts with (its data carries none): set "
+                "processor.tokenizer.tokenizer_file"
+            )
+        with tempfile.TemporaryDirectory() as tmp:  # transformers reads a tokenizer from files
+            (Path(tmp) / "tokenizer.json").write_bytes(tokenizer_bytes)
+            for name, data in side_files.items():
+                (Path(tmp) / name).write_bytes(data)
+            self.tokenizer = hf_tokenizer(tmp)
+        self.cfg, self.max_length = cfg, mc.max_position_embedding or mc.seq_length
+        self.autocast = DTYPE[mc.compute_dtype] if mc.compute_dtype != mc.param_init_type else None
+
+    def run(self, parts) -> dict[str, float]:
+        """{"eval/<task>/<metric>": value} of the model as it is now."""
+        from meshformer.train.lm_eval_model import MeshformerLM
+
+        ec = self.cfg.eval_config
+        lm = MeshformerLM(parts.parts[0], self.tokenizer, self.max_length, ec.batch_size, self.autocast)
+        parts.train(False)
+        try:
+            results = run_tasks(lm, self.manager, list(ec.tasks), num_fewshot=ec.num_fewshot, limit=ec.limit)
+        finally:
+            parts.train(True)
+        return flat_metrics(results)
