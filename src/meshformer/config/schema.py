@@ -327,9 +327,8 @@ class MeshformerConfig:
     fp8_config: Fp8Config = setting(Fp8Config, "FP8 training of the decoder's linears (torchao float8).")
     compile: bool | str = setting(
         "auto",
-        "torch.compile each decoder layer and the loss (the loss not under tensor parallelism; Inductor); auto: on "
-        "GPUs without tensor parallelism or swap, and on CPUs for runs of at least 100 TFLOP per process (where "
-        "compiling pays for itself).",
+        "torch.compile each decoder layer and the loss (the loss stays eager under tensor parallelism); auto: GPUs "
+        "without tensor parallelism or swap, CPU runs of at least 100 TFLOP per process.",
         choices=(True, False, "auto"),
     )
     cpu_matmul: str = setting(
