@@ -256,7 +256,7 @@ FP8_FP32 = ("fp8_fp32", "fp8_gw_fp32")
 
 def variant_cfg(variant: str, case: str | None = None):
     """A variant (VARIANTS, FP8_VARIANTS or PREFERENCE_VARIANTS) under a case's layout (None: one process)."""
-    model = VARIANTS.get(variant) or FP8_VARIANTS.get(variant) or PREFERENCE_VARIANTS[variant]
+    model = next(table[variant] for table in (VARIANTS, FP8_VARIANTS, PREFERENCE_VARIANTS) if variant in table)
     overrides = {**model, **(spec_of(case)[0] if case else {})}
     cfg = make_cfg(overrides)
     if variant in FP8_FP32:
