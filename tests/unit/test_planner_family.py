@@ -9,7 +9,6 @@ import dataclasses
 import json
 
 import pytest
-import torch.nn.functional as F
 from torch import nn
 
 from conftest import tiny_overrides
@@ -21,6 +20,7 @@ from meshformer.models.registry import ModelFamily, family_of, register_family, 
 from meshformer.parallel.dims import ParallelDims
 from meshformer.planner import memory
 from meshformer.planner.counted_activations import COUNTED
+from test_model_family import GeluMLP  # the non-gated MLP with biases, shared with the family test
 
 TINY = {
     "model.model_config.hidden_size": 64,
@@ -131,18 +131,6 @@ class ToyPlannedConfig(LlamaConfig):
     """Llama's fields (the toy reuses Llama's attention), its own type."""
 
     type: str = type_field(TOY_TYPE)
-
-
-class GeluMLP(nn.Module):
-    """Non-gated, with biases: fc_out(gelu(fc_in(x)))."""
-
-    def __init__(self, mc: ModelConfig):
-        super().__init__()
-        self.fc_in = nn.Linear(mc.hidden_size, mc.ffn_hidden_size)
-        self.fc_out = nn.Linear(mc.ffn_hidden_size, mc.hidden_size)
-
-    def forward(self, x):
-        return self.fc_out(F.gelu(self.fc_in(x)))
 
 
 class ToyLayer(nn.Module):
