@@ -35,6 +35,13 @@ PEAKS = {
     "H100": Peaks(
         989.4e12, 66.9e12, 494.7e12, "NVIDIA H100 SXM5 data sheet (dense; TF32 989, FP8 3,958 with sparsity)", 1978.9e12
     ),
+    "H100-96GB": Peaks(
+        835.5e12,
+        60e12,
+        417.8e12,
+        "NVIDIA H100 NVL data sheet (dense; the 96 GB HBM2e H100 at 500 W lies between NVL and SXM5)",
+        1670.5e12,
+    ),
     "A100": Peaks(312e12, 19.5e12, 156e12, "NVIDIA A100 SXM4 data sheet (dense; TF32 312 with sparsity)"),
     "L40S": Peaks(362.05e12, 91.6e12, 183e12, "NVIDIA L40S data sheet (dense; FP8 1,466 with sparsity)", 733e12),
     "A10": Peaks(125e12, 31.2e12, 62.5e12, "NVIDIA A10 data sheet (dense)"),

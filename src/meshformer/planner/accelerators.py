@@ -14,6 +14,12 @@ from dataclasses import dataclass
 from meshformer.backends.peaks import PEAKS
 
 GB = 1e9
+# Element-wise bytes per hardware FLOP of meshformer's step at hidden size 4096 (`Accelerator.step_efficiency`):
+# the H200's measured step time less its matmuls at `gemm_efficiency` and its optimizer step, times the HBM
+# bandwidth, over the FLOPs (docs/memory.md, "Published runs"; tests/unit/test_published_runs.py holds the H200
+# rows to them).
+EAGER_BYTES_PER_FLOP = 0.00234
+COMPILED_BYTES_PER_FLOP = 0.00148
 
 
 @dataclass(frozen=True)
@@ -27,12 +33,25 @@ class Accelerator:
     devices_per_node: int
     runtime_bytes: float  # CUDA/CANN context + library workspaces the process holds outside the allocator
     source: str
-    efficiency: float = 0.4  # share of peak meshformer's training step reaches (hardware FLOPs): see below
+    efficiency: float = 0.4  # share of peak a step reaches where no memory bandwidth is known (hbm_bw 0): below
     host_bw: float = 50 * GB  # device <-> pinned host memory, bytes/s per direction (activation swap)
     communicator_bytes: float = 0.5 * (1 << 30)  # buffers of one collective communicator (NCCL/HCCL), per group
     peak_fp8: float | None = None  # dense FP8 FLOP/s (None: no FP8 units; fp8_config is planned at bf16)
     hbm_bw: float = 0.0  # device memory bytes/s: FP8's scaling and casting passes are bound by it
     gemm_efficiency: float = 0.7  # share of peak a large matmul kernel reaches, bf16 or FP8: see below
+
+    def step_efficiency(self, peak: float, compiled: bool, recomputed: bool, hidden: int, item: int = 2) -> float:
+        """Share of `peak` a training step's hardware FLOPs reach: its matmuls at `gemm_efficiency`, the rest of
+        the step (norms, rotary, SwiGLU's product, residual adds, the loss: memory-bound element-wise kernels) as
+        bytes at the HBM bandwidth. Those bytes grow with the activations a token makes (~ hidden) and the FLOPs
+        with the weights (~ hidden^2), so per FLOP they fall as 1 / hidden; compiled layers move fewer (Inductor
+        fuses the kernels), and they scale with the compute dtype's size `item` (calibrated in bf16). An eager
+        step that recomputes (selective or full) runs its forward's element-wise kernels again: a third more."""
+        if not self.hbm_bw:
+            return self.efficiency
+        per_flop = (COMPILED_BYTES_PER_FLOP if compiled else EAGER_BYTES_PER_FLOP) * 4096 / hidden * item / 2
+        per_flop *= 4 / 3 if recomputed and not compiled else 1
+        return 1 / (1 / self.gemm_efficiency + per_flop * peak / self.hbm_bw)
 
     def runtime(self, dims) -> float:
         """Bytes outside the tensors: the context, plus one communicator per parallel dimension in use (and the
@@ -80,7 +99,24 @@ ACCELERATORS = {
         25 * GB,
         8,
         0.8 * (1 << 30),
-        "NVIDIA A100 SXM4 80GB data sheet (312 TFLOP/s BF16, NVLink 600 GB/s both directions); 200 Gb/s IB per GPU",
+        "NVIDIA A100 SXM4 80GB data sheet (312 TFLOP/s BF16, NVLink 600 GB/s both directions, HBM2e 2.04 TB/s); "
+        "200 Gb/s IB per GPU",
+        hbm_bw=2.039e12,
+    ),
+    "H100-96GB": Accelerator(
+        "H100-96GB",
+        PEAKS["H100-96GB"].bf16,
+        PEAKS["H100-96GB"].fp32,
+        96 * (1 << 30),
+        450 * GB,
+        50 * GB,
+        8,
+        0.8 * (1 << 30),
+        "H100 with 96 GB HBM2e at 2.4 TB/s and a 500 W limit (Meta's Grand Teton hosts, torchtitan's published "
+        "runs): its peak lies between the SXM5's and the NVL's, so the NVL data sheet's (835 TFLOP/s dense BF16, "
+        "1,670 FP8); six 16 GiB HBM stacks; NVLink 900 GB/s; 400 Gb/s RDMA per GPU",
+        peak_fp8=PEAKS["H100-96GB"].fp8,
+        hbm_bw=2.4e12,
     ),
     "910B": Accelerator(
         "910B",
@@ -97,12 +133,23 @@ ACCELERATORS = {
         host_bw=25 * GB,  # PCIe Gen4 x16
     ),
 }
-ALIASES = {"ascend": "910B", "ascend910b": "910B", "atlas800ta2": "910B", "h100sxm": "H100", "a100sxm": "A100"}
+ALIASES = {
+    "h10096": "H100-96GB",
+    "grandteton": "H100-96GB",
+    "ascend": "910B",
+    "ascend910b": "910B",
+    "atlas800ta2": "910B",
+    "h100sxm": "H100",
+    "a100sxm": "A100",
+}
 
-# `efficiency`, the share of peak a training step's hardware FLOPs reach. NVIDIA: 0.4 is the middle of what
-# meshformer's eager step reached on one H200, from a 1B shape at short sequences to an 8B shape at long ones
-# (docs/benchmarks.md, "Training on one H200"); a bare large matmul reaches far more: the rest of a step is kernel
-# launches, element-wise work, attention and the optimizer. `runtime_bytes`: what that process held outside the
+# The share of peak a training step's hardware FLOPs reach (`step_efficiency`): where the HBM bandwidth is known,
+# the matmuls at `gemm_efficiency` plus the element-wise work as bytes per matmul FLOP at that bandwidth, eager or
+# compiled, both calibrated on meshformer's Llama 3.1 8B shape (8 layers, 2 x 8192 tokens) on one H200
+# (docs/benchmarks.md, "Training on one H200": eager without recompute, compiled with selective recompute); the
+# optimizer step is timed apart (planner/throughput.py). A slower memory (HBM2e) or a faster matmul unit leaves a
+# larger share of the step to the element-wise work. Elsewhere (`efficiency`): the 910B's from MindSpore's published
+# figure (graph mode), the CPU's measured. `runtime_bytes`: what that process held outside the
 # caching allocator, rounded up (docs/memory.md); a communicator's 0.5 GiB is an estimate (NCCL's default 4 MiB
 # buffers x channels x peers), not a measurement. host_bw: PCIe Gen5 x16 pinned copies (docs/benchmarks.md).
 # `gemm_efficiency`: the share of peak one large matmul kernel reaches (cuBLAS on Hopper, bf16 and FP8 alike), an
@@ -142,10 +189,14 @@ def find_accelerator(name: str | None) -> Accelerator:
 
     if name is None or name.lower() == "cpu":
         return cpu_accelerator()
-    key = name.replace(" ", "").replace("-", "").replace("_", "")
+
+    def bare(n: str) -> str:
+        return n.replace(" ", "").replace("-", "").replace("_", "").lower()
+
+    key = bare(name)
     for k in ACCELERATORS:
-        if key.lower() == k.lower():
+        if key == bare(k):
             return ACCELERATORS[k]
-    if key.lower() in ALIASES:
-        return ACCELERATORS[ALIASES[key.lower()]]
+    if key in ALIASES:
+        return ACCELERATORS[ALIASES[key]]
     raise UserError(f"--accelerator {name!r}: one of {', '.join([*ACCELERATORS, 'cpu'])}")

@@ -62,7 +62,7 @@ def _variant(plan: Plan, **changes) -> Plan | None:
 
 
 def _worst(plan: Plan) -> int:
-    return max(s.reserved_bytes for s in plan.stages)
+    return max(s.reserved_bytes for s in plan.stages) + int(plan.accelerator.runtime(plan.dims))
 
 
 def _batch_knobs(plan: Plan) -> list[tuple[str, dict]]:
@@ -162,7 +162,7 @@ def memory_findings(plan: Plan) -> list[Finding]:
     worst = max(plan.stages, key=lambda s: s.reserved_bytes)
     m = worst.memory
     head = (
-        f"out of memory: pipeline rank {m.stage} needs {worst.reserved_bytes / GIB:.1f} GiB of "
+        f"out of memory: pipeline rank {m.stage} needs {(plan.device_memory - worst.headroom_bytes) / GIB:.1f} GiB of "
         f"{plan.device_memory / GIB:.1f} GiB (weights {m.params_bytes / GIB:.1f}, gradients {m.grads_bytes / GIB:.1f}, "
         f"optimizer {m.optimizer_bytes / GIB:.1f}, activations {m.activations_bytes / GIB:.1f}"
         f"{' (counted on the modules)' if m.activations_counted else ''} for {m.in_flight} "

@@ -18,6 +18,8 @@ def _stage_lines(plan: Plan, T: int) -> list[str]:
     lines: list[str] = []
     for s in plan.stages:
         m = s.memory
+        runtime = plan.accelerator.runtime(plan.dims)
+        resident = s.resident_bytes
         lines += [
             f"pipeline rank {m.stage}: {m.layers} layers",
             f"  weights {_g(m.params_bytes)}, gradients {_g(m.grads_bytes)} (trainable only), AdamW 2 moments + "
@@ -30,10 +32,22 @@ def _stage_lines(plan: Plan, T: int) -> list[str]:
             f"  allocated = weights + AdamW states + max(activations + FSDP + max(logits + cached copies, recompute) "
             f"[+ gradients "
             f"when accumulating or pipelining], gradients + AdamW temporaries) = {_g(s.allocated_bytes)}",
-            f"  reserved = allocated x {1 + FRAGMENTATION:.2f} + runtime {_g(plan.accelerator.runtime(plan.dims))} = "
-            f"{_g(s.reserved_bytes)}; device {_g(plan.device_memory)}: headroom {_g(s.headroom_bytes)}",
+            f"  reserved = resident {_g(resident)} + (allocated - resident) x "
+            f"{1 + FRAGMENTATION[plan.throughput.compiled]:.3f} ({'compiled' if plan.throughput.compiled else 'eager'}"
+            f") = {_g(s.reserved_bytes)}; + runtime {_g(runtime)}; device {_g(plan.device_memory)}: headroom "
+            f"{_g(s.headroom_bytes)}",
         ]
     return lines
+
+
+def _efficiency_formula(plan: Plan) -> str:
+    acc, t = plan.accelerator, plan.throughput
+    if not acc.hbm_bw:
+        return f": {acc.name}'s figure"
+    return (
+        f" = 1 / (1 / matmuls {acc.gemm_efficiency} + element-wise bytes per FLOP x peak / HBM "
+        f"{acc.hbm_bw / 1e12:.2f} TB/s), {'compiled' if t.compiled else 'eager'}"
+    )
 
 
 def explain(plan: Plan) -> list[str]:
@@ -91,8 +105,8 @@ def explain(plan: Plan) -> list[str]:
         f"model FLOPs per step = {t.flops_per_token / 1e9:.2f} GFLOP x {t.flops_per_step / t.flops_per_token:,.0f} "
         f"tokens = {t.flops_per_step / 1e15:.3f} PFLOP; with recompute's extra forward (and a routing pre-pass) "
         f"{t.hardware_flops_per_step / 1e15:.3f}",
-        f"compute per rank = hardware FLOPs / {dims.world_size} devices / (peak x {plan.accelerator.efficiency}) = "
-        f"{t.compute_s:.3f} s; "
+        f"compute per rank = hardware FLOPs / {dims.world_size} devices / (peak x {t.efficiency:.3f}"
+        f"{_efficiency_formula(plan)}) + the optimizer step's device memory traffic = {t.compute_s:.3f} s; "
         f"bubble (p-1)/(v*m+p-1) = {t.bubble_fraction:.1%}",
         f"communication per rank: tp {t.tp_bytes / 1e9:.2f} GB in {t.tp_s:.3f} s, dp {t.dp_bytes / 1e9:.2f} GB in "
         f"{t.dp_s:.3f} s (hidden behind 80% of compute), pp {t.pp_bytes / 1e9:.2f} GB in {t.pp_s:.3f} s, cp (K/V "

@@ -12,14 +12,19 @@ On top of planner/memory.py's model states and saved activations, a rank's peak 
                 the logits' time or in backward beside a recomputed layer
   runtime       what the framework takes before any tensor (CUDA context, one communicator per parallel
                 dimension, cuBLAS/attention workspaces), per accelerator (planner/accelerators.py)
-  reserved      the caching allocator keeps ~10% more than it hands out (fragmentation)
+  reserved      the caching allocator's reserve: the resident states (weights, AdamW moments, a frozen second
+                model's weights, allocated once before the first step and never freed) as allocated, and what each
+                step allocates and frees (activations, logits, gradients, gathers) with the fragmentation the
+                allocator leaves between those blocks; the runtime comes on top of it (torch reports reserved memory
+                without it, torchtitan too), and reserved + runtime is compared with the device's memory
   second model  post-training's frozen reference or teacher (planner/second_model.py): its weights resident, a
                 teacher's logits beside the student's; a preference pair is two rows of the micro-batch
 Gradients are freed after every step (zero_grad(set_to_none)), so a step of one micro-batch peaks before any
 exists; accumulation and pipeline schedules run later micro-batches' forwards with them. Peak allocated =
 parameters + optimizer states + max(activations + FSDP + max(logits, recompute) [+ gradients when accumulating or
-pipelining], gradients + optimizer temporaries); reserved = allocated x 1.1 + runtime, compared with the device's
-memory. With `cpu_offload` the states and the optimizer
+pipelining], gradients + optimizer temporaries); reserved = resident + (allocated - resident) x (1 + fragmentation),
+fragmentation 0.2 eager and 0.125 compiled (fewer, fused allocations); reserved + runtime is compared with the
+device's memory. With `cpu_offload` the states and the optimizer
 step are host memory (`host_bytes`) and the device holds the rest; so are swapped layers' activations
 (`swap_config`), of which the device holds the layer in backward and those prefetched (in `recompute_bytes`).
 A CPU run has no host memory apart from its own, so there swap is off.
@@ -40,9 +45,12 @@ from meshformer.planner.context_parallel import local_config, with_context_paral
 from meshformer.planner.experts import ExpertFigures, expert_figures
 from meshformer.planner.memory import StageMemory, plan_memory
 from meshformer.planner.second_model import SecondModel, rows_per_sample, second_model
-from meshformer.planner.throughput import Throughput, predict
+from meshformer.planner.throughput import Throughput, planned_compiled, predict
 
-FRAGMENTATION = 0.10
+# Reserved over allocated of what a step allocates and frees, measured by the CUDA allocator on one H200 with
+# expandable segments (docs/memory.md): 0.15-0.23 eager (median 0.21; 0.50 with full recompute on the 1B shape),
+# 0.12-0.13 compiled (paired with the eager rows of the same runs).
+FRAGMENTATION = {False: 0.2, True: 0.125}
 
 
 @dataclass
@@ -56,6 +64,7 @@ class StagePlan:
     headroom_bytes: int
     host_bytes: int = 0  # states (and the optimizer step) kept in host memory by cpu_offload
     second: SecondModel = dataclasses.field(default_factory=lambda: SecondModel(""))  # reference or teacher
+    resident_bytes: int = 0  # allocated once before the first step (weights, moments): no fragmentation
 
     def as_dict(self) -> dict:
         return {
@@ -152,6 +161,7 @@ def make_plan(
         routed = moe.routed_params // moe.moe_layers
         layer_params = (layer_params - routed) + routed * dims.tp // dims.ep
     a2a = moe.a2a_buffer_bytes if moe is not None else 0
+    compiled = planned_compiled(cfg, dims, acc)
     for st in plan_memory(local_config(cfg), dims, rows, n_micro):
         st = with_context_parallel(st, cfg, dims, rows)  # the gathered keys and values
         last = st.stage == dims.pp - 1 or (dims.pp > 1 and cfg.parallel_config.pipeline_schedule in _V)
@@ -167,15 +177,23 @@ def make_plan(
         early = st.grads_bytes if n_micro > 1 or dims.pp > 1 else 0  # gradients alive at the activation peak
         resident = st.params_bytes + st.optimizer_bytes + second.weights_bytes  # a frozen second model's weights
         allocated = working if offload else resident + max(working + early, st.grads_bytes + step_tmp)
-        reserved = int(allocated * (1 + FRAGMENTATION) + acc.runtime(dims))
-        stages.append(StagePlan(st, logits, step_tmp, gathered, allocated, reserved, int(mem - reserved), host, second))
+        fixed = 0 if offload else resident  # allocated once, before the first step
+        reserved = int(fixed + (allocated - fixed) * (1 + FRAGMENTATION[compiled]))
+        headroom = int(mem - reserved - acc.runtime(dims))
+        stages.append(StagePlan(st, logits, step_tmp, gathered, allocated, reserved, headroom, host, second, fixed))
     swapped = max(st.memory.swapped_bytes for st in stages) * max(1, n_micro) / max(1, stages[0].memory.in_flight)
     batch = BatchPlan(micro_batch, n_micro, micro_batch * n_micro * dims.dp)
-    throughput = predict(cfg, dims, acc, batch, nodes, swapped)
+    moved = 0 if cfg.parallel_config.cpu_offload else max(_optimizer_bytes_moved(s.memory) for s in stages)
+    throughput = predict(cfg, dims, acc, batch, nodes, swapped, moved)
     return Plan(cfg, dims, acc, mem, nodes, micro_batch, n_micro, stages, throughput, moe)
 
 
 _V = ("zbv_zero_bubble", "dualpipev")  # V schedules: rank 0 also holds the last stage
+
+
+def _optimizer_bytes_moved(st: StageMemory) -> int:
+    """Device memory a rank's AdamW step reads (trained weights, gradients, moments) and writes (weights, moments)."""
+    return 3 * st.grads_bytes + 2 * st.optimizer_bytes  # the trained weights: as many bytes as their gradients
 
 
 def _layer_param_count(mc) -> int:

@@ -70,6 +70,8 @@ class Throughput:
     cp_s: float = 0.0  # their time (on the critical path: attention waits for the gathered keys)
     fp8_share: float = 0.0  # fp8_config: share of the model FLOPs that run in FP8 (planner/fp8.py)
     fp8_saved_s: float = 0.0  # ... and the compute time per rank and step that FP8 saves, casts paid
+    compiled: bool = False  # planned with compiled layers (`compile`, planned_compiled)
+    efficiency: float = 0.0  # share of peak the step's hardware FLOPs reach (Accelerator.step_efficiency)
 
 
 def flops_per_token(cfg: MeshformerConfig) -> float:
@@ -87,10 +89,40 @@ def bubble_fraction(cfg: MeshformerConfig, n_micro: int) -> float:
     return (p - 1) / (v * n_micro + p - 1)
 
 
+def planned_compiled(cfg: MeshformerConfig, dims: ParallelDims, acc: Accelerator) -> bool:
+    """Whether the run compiles its layers: `compile` true or false as written; auto as the trainer decides it
+    (parallel/parallelize.py `compile_decision`) on a GPU, where it compiles unless tensor, context or expert
+    parallelism or activation swap is on. A CPU's auto depends on the run's length and a C++ compiler, and the
+    planner's CPU efficiency is one figure: planned eager there; other accelerators: eager."""
+    if cfg.compile != "auto":
+        return bool(cfg.compile)
+    gpu = acc.name in _GPUS or acc.name.startswith(_GPUS)
+    return gpu and dims.tp == 1 and dims.cp == 1 and dims.ep == 1 and not cfg.swap_config.swap
+
+
+_GPUS = ("H100", "H200", "A100")
+
+
+def step_efficiency(cfg: MeshformerConfig, acc: Accelerator, peak: float, compiled: bool) -> float:
+    """The accelerator's share of `peak` for this model's step (Accelerator.step_efficiency)."""
+    mc = cfg.model.model_config
+    recomputed = bool(recompute_share(cfg)) or bool(cfg.recompute_config.select_recompute)
+    item = 2 if mc.compute_dtype != "float32" else 4
+    return acc.step_efficiency(peak, compiled, recomputed, mc.hidden_size, item)
+
+
 def predict(
-    cfg: MeshformerConfig, dims: ParallelDims, acc: Accelerator, batch: BatchPlan, nodes: int, swapped_bytes: float
+    cfg: MeshformerConfig,
+    dims: ParallelDims,
+    acc: Accelerator,
+    batch: BatchPlan,
+    nodes: int,
+    swapped_bytes: float,
+    optimizer_bytes_moved: float = 0.0,
 ) -> Throughput:
-    """`swapped_bytes`: activation bytes a rank sends to host memory (and back) per step (swap_config)."""
+    """`swapped_bytes`: activation bytes a rank sends to host memory (and back) per step (swap_config);
+    `optimizer_bytes_moved`: what a rank's optimizer step reads and writes in device memory (fused AdamW: the
+    weights, gradients and moments read, the weights and moments written), timed at the HBM bandwidth."""
     mc = cfg.model.model_config
     low = mc.compute_dtype != "float32"
     peak = acc.peak_bf16 if low else acc.peak_fp32
@@ -102,7 +134,9 @@ def predict(
     layer_share = 1 - 6 * mc.vocab_size * mc.hidden_size * (0 if mc.tie_word_embeddings else 1) / max(fpt, 1)
     hardware = model_flops * (1 + recompute_share(cfg) * layer_share / 3 + prepass_share(cfg))
     world = dims.world_size
-    compute = hardware / world / (peak * acc.efficiency)
+    compiled = planned_compiled(cfg, dims, acc)
+    efficiency = step_efficiency(cfg, acc, peak, compiled)
+    compute = hardware / world / (peak * efficiency) + (optimizer_bytes_moved / acc.hbm_bw if acc.hbm_bw else 0.0)
     fp8 = fp8_figures(cfg, dims, acc, tokens, n_micro, fpt) if low else None
     if fp8 is not None:
         compute -= fp8.saved_s
@@ -110,16 +144,11 @@ def predict(
 
     T, h, L = micro_batch * mc.seq_length // dims.cp, mc.hidden_size, mc.num_layers  # a cp rank's tokens
     layers_per_rank = L / dims.pp
-    t, d = dims.tp, dims.dp
+    t = dims.tp
     calls = 4 + (2 if recompute_share(cfg) else 0)
     tp_bytes = calls * layers_per_rank * n_micro * 2 * (t - 1) / t * T * h * a if t > 1 else 0.0
     moe = expert_figures(cfg, dims, micro_batch, n_micro)
-    routed = moe.routed_params if moe is not None and dims.ep > 1 else 0
-    gathers = 3 if cfg.recompute_config.parallel_optimizer_comm_recompute else 2
-    dp_bytes = _dp_bytes(d, dims.dp_shard > 1, (family_of(mc).param_count(mc) - routed) / (t * dims.pp), gathers, a)
-    if routed:  # routed experts reduce over the ranks that hold the same experts: dp_replicate x efsdp
-        d_experts, local_experts = dims.dp_replicate * dims.efsdp, routed / (dims.ep * dims.pp)
-        dp_bytes += _dp_bytes(d_experts, dims.dp_shard > 1, local_experts, gathers, a)
+    dp_bytes = _data_parallel_bytes(cfg, dims, moe.routed_params if moe is not None and dims.ep > 1 else 0, a)
     ep_bytes = moe.a2a_bytes if moe is not None else 0.0
     cp_bytes = _cp_bytes(cfg, dims, micro_batch, n_micro, layers_per_rank, a)
     pp_bytes = 2 * n_micro * T * h * a / (t if cfg.parallel_config.use_seq_parallel else 1) if dims.pp > 1 else 0.0
@@ -157,6 +186,8 @@ def predict(
         cp_s,
         fp8.flops_share if fp8 else 0.0,
         fp8.saved_s if fp8 else 0.0,
+        compiled,
+        efficiency,
     )
 
 
@@ -170,6 +201,18 @@ def _cp_bytes(
     kv = micro_batch * mc.seq_length * family_of(mc).cp_gather_width(mc, dims.tp) * a
     calls = 2 + (1 if recompute_share(cfg) else 0)
     return calls * layers * n_micro * kv * (dims.cp - 1) / dims.cp
+
+
+def _data_parallel_bytes(cfg: MeshformerConfig, dims: ParallelDims, routed: int, a: int) -> float:
+    """Data-parallel bytes per rank and step: the dense parameters over data parallel, the routed experts (when
+    expert parallel) over the ranks that hold the same experts, dp_replicate x efsdp."""
+    mc = cfg.model.model_config
+    gathers = 3 if cfg.recompute_config.parallel_optimizer_comm_recompute else 2
+    dense = (family_of(mc).param_count(mc) - routed) / (dims.tp * dims.pp)
+    total = _dp_bytes(dims.dp, dims.dp_shard > 1, dense, gathers, a)
+    if routed:
+        total += _dp_bytes(dims.dp_replicate * dims.efsdp, dims.dp_shard > 1, routed / (dims.ep * dims.pp), gathers, a)
+    return total
 
 
 def _dp_bytes(d: int, sharded: bool, local_params: float, gathers: int, a: int) -> float:
