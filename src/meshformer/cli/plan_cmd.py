@@ -153,7 +153,7 @@ def print_plan(plan) -> None:
     console.print(
         f"predicted: {d['step_time_s']:.3f} s/step, {d['tokens_per_s']:,.0f} tokens/s "
         f"({d['tokens_per_s'] / lay['devices']:,.0f} per device), {d['samples_per_s']:,.1f} samples/s, "
-        f"MFU {d['mfu']:.1%}; {verdict}",
+        f"MFU {d['mfu']:.1%} ({'compiled' if d['compiled'] else 'eager'}); {verdict}",
         soft_wrap=True,
     )
 

@@ -132,6 +132,7 @@ class Plan:
             "tokens_per_s": t.tokens_per_s,
             "samples_per_s": t.samples_per_s,
             "mfu": t.mfu,
+            "compiled": t.compiled,
             "fits": self.fits,
         }
 
