@@ -44,9 +44,11 @@ def _efficiency_formula(plan: Plan) -> str:
     acc, t = plan.accelerator, plan.throughput
     if not acc.hbm_bw:
         return f": {acc.name}'s figure"
+    peak = acc.peak_fp32 if plan.cfg.model.model_config.compute_dtype == "float32" else acc.peak_bf16
+    per_flop = (1 / t.efficiency - 1 / acc.gemm_efficiency) * acc.hbm_bw / peak
     return (
-        f" = 1 / (1 / matmuls {acc.gemm_efficiency} + element-wise bytes per FLOP x peak / HBM "
-        f"{acc.hbm_bw / 1e12:.2f} TB/s), {'compiled' if t.compiled else 'eager'}"
+        f" = 1 / (1 / matmuls {acc.gemm_efficiency} + element-wise {per_flop:.5f} bytes per FLOP x peak "
+        f"{peak / 1e12:.0f} TFLOP/s / HBM {acc.hbm_bw / 1e12:.2f} TB/s), {'compiled' if t.compiled else 'eager'}"
     )
 
 
