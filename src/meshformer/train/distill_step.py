@@ -1,13 +1,14 @@
 """The distillation step's loss: what the student's parts call per micro-batch in place of the token cross-entropy,
 with the teacher's logits (train/distill_teacher.py) for the same micro-batch, and the step's metrics.
 
-Targets: the parts hand the loss (logits, targets), and the teacher's logits of a micro-batch must reach the
-student's loss for that micro-batch through accumulation and pipeline schedules (which split targets by rows). So
-the teacher runs first, over all this rank's micro-batches (`prepare`), and targets are [rows, seq, 1 + vocab]:
-the labels (token ids, exact in float32) in column 0 and the teacher's logits after it; under tensor parallelism
-this rank's vocabulary shard of them, rebuilt as a DTensor of the student's logits' layout, so the divergence runs
-on the shards (train/distill_loss.py). Under pipeline parallelism the teacher's logits exist on the last stage
-only; the other stages get the labels alone (they never call the loss).
+Targets: the parts hand the loss (logits, targets), and what the teacher needs travels with the micro-batch's rows
+through accumulation and pipeline schedules (which split targets by rows). Without pipeline parallelism targets
+are [rows, seq, 2 or 3]: the labels, the input ids and (packed rows) the document index, all exact in float64; the
+loss runs the teacher on them, so one micro-batch's teacher logits exist at a time. Under pipeline parallelism the
+teacher's stages run before the student's schedule (`prepare`), and targets on the last stage are
+[rows, seq, 1 + vocab]: the labels and the teacher's logits (its vocabulary shard under tensor parallelism, rebuilt
+as a DTensor of the student's logits' layout); the other stages get the labels alone (they never call the loss).
+Under tensor parallelism both logits are vocab-sharded and the divergence runs on the shards (train/distill_loss.py).
 
 Normalisation (as SFT's, train/step.py): a micro-batch's loss is alpha x the summed divergence + (1 - alpha) x
 the summed cross-entropy over its counted tokens (labels != ignore); the step divides by the global count of
@@ -52,17 +53,18 @@ class DistillObjective:
     def prepare(
         self, inputs: torch.Tensor, labels: torch.Tensor, documents: torch.Tensor | None, n_micro: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(targets, the step's global count of counted tokens) for this rank's rows: the teacher's forward runs
-        here, for all micro-batches, before the student's."""
+        """(targets, the step's global count of counted tokens) for this rank's rows; under pipeline parallelism
+        the teacher's forward runs here, for all micro-batches, before the student's."""
         n_tok = self.env.reduce_sum((labels != self.ignore).sum().to(torch.float64), "loss")
-        kept = self.teacher.logits(inputs, documents, n_micro, self._keep)
-        if kept:
-            teacher = torch.cat(kept)
-            targets = torch.cat([labels.unsqueeze(-1).to(teacher.dtype), teacher], dim=-1)
-        else:  # a pipeline stage before the last: the loss never runs here
-            targets = labels.unsqueeze(-1).float()
         self.records = []
-        return targets, n_tok
+        if not self.teacher.pipelined:
+            columns = [labels, inputs] + ([documents] if documents is not None else [])
+            return torch.stack(columns, dim=-1).to(torch.float64), n_tok
+        kept = self.teacher.pipelined_logits(inputs, n_micro, self._keep)
+        if not kept:  # a pipeline stage before the last: the loss never runs here
+            return labels.unsqueeze(-1).float(), n_tok
+        teacher = torch.cat(kept)
+        return torch.cat([labels.unsqueeze(-1).to(teacher.dtype), teacher], dim=-1), n_tok
 
     def _keep(self, logits: torch.Tensor, i: int) -> torch.Tensor:
         if isinstance(logits, DTensor):
@@ -70,22 +72,31 @@ class DistillObjective:
             logits = logits.to_local()
         return logits.detach().to(torch.promote_types(logits.dtype, torch.float32))
 
+    def _teacher_logits(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The teacher's logits of this micro-batch, laid out as the student's `logits`."""
+        if not self.teacher.pipelined:
+            documents = targets[..., 2].long() if targets.shape[-1] > 2 else None
+            return self.teacher.micro_batch_logits(targets[..., 1].long(), documents)
+        teacher = targets[..., 1:].contiguous()
+        if not isinstance(logits, DTensor):
+            return teacher
+        if tuple(logits.placements) != tuple(self.placements or ()):
+            raise RuntimeError(
+                f"the teacher's logits are laid out as {self.placements}, the student's as {logits.placements}: "
+                "both models' heads must use the same tensor-parallel style"
+            )
+        return DTensor.from_local(
+            teacher, logits.device_mesh, logits.placements, run_check=False, shape=logits.shape,
+            stride=logits.stride(),
+        )  # fmt: skip
+
     def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         if targets.dim() == 2:  # plain labels (validation): the summed hard-label cross-entropy
             return self._cross_entropy(logits, targets).float()
         labels = targets[..., 0].long()
-        teacher = targets[..., 1:].contiguous()
-        if isinstance(logits, DTensor):
-            if tuple(logits.placements) != tuple(self.placements or ()):
-                raise RuntimeError(
-                    f"the teacher's logits are laid out as {self.placements}, the student's as {logits.placements}: "
-                    "both models' heads must use the same tensor-parallel style"
-                )
-            teacher = DTensor.from_local(
-                teacher, logits.device_mesh, logits.placements, run_check=False, shape=logits.shape,
-                stride=logits.stride(),
-            )  # fmt: skip
+        teacher = self._teacher_logits(logits, targets)
         loss, m = distill_loss_sum(logits, teacher, labels, self.dc, self.ignore)
+        del teacher
         ce = m["ce_sum"]
         if self.dc.alpha == 1:  # not in the loss: computed for the metric only
             with torch.no_grad():

@@ -10,8 +10,10 @@ moving anything. Its layout must fit its own shape (tensor parallelism divides i
 its layers): a mismatch is one line naming the teacher.
 
 Its forward runs under `torch.no_grad()` in eval mode: no activations kept, no gradients, no optimizer state.
-Without pipeline parallelism it is a FrozenModel (train/frozen_model.py); with it, its stages are walked
-forward-only (parallel/pipeline_forward.py) and the logits exist on the last stage, where the student's loss runs.
+Without pipeline parallelism it runs inside the student's loss, one micro-batch at a time, so only one
+micro-batch's teacher logits ever exist; with it, its stages are walked forward-only for all the step's
+micro-batches before the student's schedule runs (parallel/pipeline_forward.py), and their logits wait on the last
+stage, where the student's loss runs.
 """
 
 from __future__ import annotations
@@ -30,7 +32,6 @@ from meshformer.parallel import ParallelEnv
 from meshformer.parallel.pipeline_forward import pipeline_forward
 from meshformer.train.base_source import BaseModelSource, source_of
 from meshformer.train.finetune import base_model_config
-from meshformer.train.frozen_model import FrozenModel
 from meshformer.train.step import build_parts
 
 FIELD = "distill_config.teacher"
@@ -67,7 +68,7 @@ def teacher_config(cfg: MeshformerConfig, sources: Sequence[BaseModelSource] = (
 
 
 class Teacher:
-    """The frozen teacher on this rank: `logits(inputs, documents, n_micro)` gives each micro-batch's logits."""
+    """The frozen teacher on this rank, in eval mode, its parameters without gradients."""
 
     def __init__(self, parts):
         for p in parts.parameters():
@@ -75,14 +76,20 @@ class Teacher:
         parts.train(False)
         self.parts = parts
         self.pipelined = parts.env.pp_size > 1
-        self.frozen = None if self.pipelined else FrozenModel(parts)
 
-    def logits(self, inputs: torch.Tensor, documents: torch.Tensor | None, n_micro: int, keep) -> list:
-        """[keep(logits, i) for each micro-batch of this rank's rows], on the rank that computes the loss (under
-        pipeline parallelism: the last stage; [] on the others)."""
-        if self.pipelined:  # packed rows are refused under pipeline parallelism (config validation)
-            return pipeline_forward(self.parts, inputs, n_micro, keep)
-        return self.frozen.map_logits(inputs, documents, n_micro, keep)
+    @torch.compiler.disable  # the student's loss may be compiled (parallel/parallelize.py): the teacher stays out
+    @torch.no_grad()
+    def micro_batch_logits(self, inputs: torch.Tensor, documents: torch.Tensor | None) -> torch.Tensor:
+        """One micro-batch's logits, without pipeline parallelism; called inside the student's loss, so under its
+        loss context (vocab-sharded logits with tensor parallelism), which is not entered again here."""
+        model = self.parts.parts[0]
+        with self.parts.autocast():
+            return model(inputs) if documents is None else model(inputs, documents=documents)
+
+    def pipelined_logits(self, inputs: torch.Tensor, n_micro: int, keep) -> list:
+        """[keep(logits, i) for each micro-batch of this rank's rows] on the last pipeline stage, [] on the others:
+        the whole pipeline runs before the student's schedule (packed rows are refused under pipelines)."""
+        return pipeline_forward(self.parts, inputs, n_micro, keep)
 
 
 def build_teacher(cfg: MeshformerConfig, env: ParallelEnv, sources: Sequence[BaseModelSource] = ()) -> Teacher:
