@@ -28,6 +28,7 @@ from meshformer.checkpoint import store
 from meshformer.config.schema import MeshformerConfig
 from meshformer.config.validate import validate_layout
 from meshformer.errors import UserError
+from meshformer.models.init import canonical_name
 from meshformer.parallel import ParallelEnv
 from meshformer.parallel.pipeline_forward import pipeline_forward
 from meshformer.train.base_source import BaseModelSource, source_of
@@ -96,7 +97,8 @@ def build_teacher(cfg: MeshformerConfig, env: ParallelEnv, sources: Sequence[Bas
     """The teacher `distill_config.teacher` names, built as the student is and loaded with its weights."""
     tcfg = teacher_config(cfg, sources)
     built = build_parts(tcfg, env, transforms=())
-    expected = {k: tuple(v.shape) for k, v in built.model.state_dict().items()}
+    # by their checkpoint names: a compiled or recomputed layer's wrappers are not part of them
+    expected = {canonical_name(k): tuple(v.shape) for k, v in built.model.state_dict().items()}
     path = Path(cfg.distill_config.teacher)
     source = source_of(path, sources)
     if source is not None:

@@ -25,6 +25,7 @@ from meshformer.config.load import to_dict
 from meshformer.config.schema import MeshformerConfig
 from meshformer.errors import RunFailed, UserError
 from meshformer.models import num_params
+from meshformer.models.init import canonical_name
 from meshformer.observe.timing import StepClock
 from meshformer.parallel import ModelParts, ParallelEnv, init_parallel
 from meshformer.parallel.batch_plan import BatchPlan
@@ -119,7 +120,8 @@ class Trainer:
         self.n_embedding = 0 if self.mc.tie_word_embeddings else built.model.embed_tokens.weight.numel()
         self.parts: ModelParts = built.parts
         # What a checkpoint must hold for this model: every tensor by name and global shape, nothing else.
-        self.expected_shapes = {k: tuple(v.shape) for k, v in built.model.state_dict().items()}
+        # (by checkpoint names: a compiled or recomputed layer's wrappers are not part of them)
+        self.expected_shapes = {canonical_name(k): tuple(v.shape) for k, v in built.model.state_dict().items()}
         self.optimizer = Optimizers(self.parts.parts, cfg)
         self.schedule = Schedule(self.optimizer, cfg, self.total_steps)
         self.objective = built.objective  # a preference run's loss with its frozen reference, or distillation's
