@@ -228,6 +228,32 @@ def tokenizer_dir(tiny_dataset) -> Path:
     return tiny_dataset.parent / "tok"
 
 
+def full_batch_overrides(batch: int, steps: int, lr: float) -> dict:
+    """A meshformer run compared with a TRL trainer step for step: the whole data set as one batch in file order,
+    a constant learning rate without warm-up or weight decay (tiny_overrides' other settings stay)."""
+    return {
+        "train_dataset.batch_size": batch,
+        "train_dataset.data_loader.shuffle": False,
+        "runner_config.stop_step": steps,
+        "optimizer.learning_rate": lr,
+        "optimizer.warmup_steps": 0,
+        "lr_schedule.type": "constant",
+        "optimizer.weight_decay": 0.0,
+        "model.model_config.rms_norm_eps": 1e-5,
+    }
+
+
+def trl_full_batch_args(out: Path, batch: int, steps: int, lr: float) -> dict:
+    """The TRL side of full_batch_overrides: its config's arguments for meshformer's AdamW (betas 0.9/0.95, eps
+    1e-8), clipping at 1, a loss logged every step, fp32 on the CPU (TRL's configs default to bf16 autocast)."""
+    return dict(
+        output_dir=str(out), per_device_train_batch_size=batch, max_steps=steps, learning_rate=lr,
+        lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.95,
+        adam_epsilon=1e-8, max_grad_norm=1.0, logging_steps=1, report_to=[], use_cpu=True, save_strategy="no",
+        seed=0, dataloader_drop_last=True, bf16=False,
+    )  # fmt: skip
+
+
 def tiny_overrides(dataset: Path, out: Path, extra: dict | None = None) -> list[str]:
     """Command-line style overrides for a ~60k-parameter model that trains in milliseconds per step."""
     base = {

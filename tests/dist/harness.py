@@ -9,12 +9,18 @@ replaced here by fixed random tokens, each data-parallel rank taking its contigu
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import nn
 
 from meshformer.config.load import load_config
+from meshformer.interop.base_model import BASE_MODEL_SOURCES
 from meshformer.models.transforms import ModelTransform
 from meshformer.parallel import init_parallel
+from meshformer.train.distill_step import METRICS as DISTILL_METRICS
+from meshformer.train.distill_step import DistillObjective
+from meshformer.train.distill_teacher import build_teacher
 from meshformer.train.loss_scale import LossScaler
 from meshformer.train.memory import MemoryMeter
 from meshformer.train.moe_balance import MoeBalanceHook
@@ -255,9 +261,13 @@ FP8_FP32 = ("fp8_fp32", "fp8_gw_fp32")
 
 
 def variant_cfg(variant: str, case: str | None = None):
-    """A variant (VARIANTS, FP8_VARIANTS or PREFERENCE_VARIANTS) under a case's layout (None: one process)."""
-    model = next(table[variant] for table in (VARIANTS, FP8_VARIANTS, PREFERENCE_VARIANTS) if variant in table)
+    """A variant (VARIANTS, FP8_VARIANTS, PREFERENCE_VARIANTS or DISTILL_VARIANTS) under a case's layout (None: one
+    process)."""
+    tables = (VARIANTS, FP8_VARIANTS, PREFERENCE_VARIANTS, DISTILL_VARIANTS)
+    model = next(table[variant] for table in tables if variant in table)
     overrides = {**model, **(spec_of(case)[0] if case else {})}
+    if variant in DISTILL_VARIANTS:
+        overrides["distill_config.teacher"] = os.environ[DISTILL_TEACHER_ENV]
     cfg = make_cfg(overrides)
     if variant in FP8_FP32:
         cfg.model.model_config.compute_dtype = "float32"
@@ -282,6 +292,14 @@ PREFERENCE_VARIANTS["dpo_moe"] = {**VARIANTS["moe"], **PREFERENCE_VARIANTS["dpo"
 PREFERENCE_VARIANTS["simpo"] = {"preference_config.method": "simpo", "preference_config.beta": 2.0}
 # what a preference step adds to each step's record (TRL's names)
 PREFERENCE_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "logps/chosen", "logps/rejected")
+# Distillation (tests/parity/test_distill_layouts.py): the JSD over the teacher's top 16 tokens at temperature 1.5,
+# mixed with the cross-entropy (alpha 0.6). The teacher is a Hugging Face directory the test writes, its path in
+# the environment (DISTILL_TEACHER_ENV): it must exist when the config is read, which checks its vocabulary.
+DISTILL_VARIANTS = {
+    "distill": {"distill_config.loss": "jsd", "distill_config.beta": 0.3, "distill_config.temperature": 1.5,
+                "distill_config.alpha": 0.6, "distill_config.top_k": 16},
+}  # fmt: skip
+DISTILL_TEACHER_ENV = "MESHFORMER_TEST_TEACHER"
 
 
 class Wrapped(nn.Module):
@@ -352,7 +370,9 @@ def run(cfg, env, n_micro: int, transforms=None, packed: bool = False) -> tuple[
     """(loss and grad norm of every step, then the eval loss; this rank's memory breakdown after the second step)."""
     built = build_parts(cfg, env, transforms)
     objective = built.objective  # a preference variant's, with its frozen reference at the starting weights
-    if objective is not None:
+    if isinstance(objective, DistillObjective):  # ... or a distillation variant's, with its teacher
+        objective.teacher = build_teacher(cfg, env, BASE_MODEL_SOURCES)
+    elif objective is not None:
         objective.reference = build_reference(cfg, env, built.parts)
         if objective.reference is not None:
             objective.reference.copy_weights_from(built.parts)
@@ -413,7 +433,7 @@ def train_steps(
                        max_grad_norm=clip_threshold(cfg), documents=docs, hooks=list(hooks), step=step + 1,
                        loss_scale=scaler.scale, objective=objective)
         scaler.update(not r.skipped)
-        preference = [r.metrics[k] for k in PREFERENCE_METRICS if k in r.metrics]
+        preference = [r.metrics[k] for k in (*PREFERENCE_METRICS, *DISTILL_METRICS) if k in r.metrics]
         out.append((r.loss, r.grad_norm, *(r.aux_losses[k] for k in sorted(r.aux_losses)), *preference))
         if after is not None:
             after(step)
@@ -427,7 +447,7 @@ def evaluate_first(parts, cfg, env, n_micro: int, packed: bool = False, objectiv
     docs = None if documents is None else documents[0, rows].to(env.device)
     first = [(inputs[0, rows].to(env.device), labels[0, rows].to(env.device), docs)]
     per = GLOBAL_BATCH // env.dp_size
-    if objective is not None:
+    if objective is not None and not isinstance(objective, DistillObjective):  # distillation validates on tokens
         return objective.evaluate(parts, first, per // n_micro // 2)["loss"]
     return evaluate(parts, env, first, per // n_micro, cfg.model.model_config.ignore_token_id)
 

@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from conftest import preference_run_dir, rel, tiny_overrides
+from conftest import full_batch_overrides, preference_run_dir, rel, tiny_overrides, trl_full_batch_args
 from meshformer.cli.train_cmd import run_training  # load_checkpoint: a Hugging Face directory
 from meshformer.config import load_config
 
@@ -50,14 +50,7 @@ def ours(root, name: str, preference: dict) -> list[dict]:
     extra = {
         "load_checkpoint": str(root / "hf"),
         "train_dataset.data_loader.type": "PreferenceDataset",
-        "train_dataset.batch_size": len(RECORDS),
-        "train_dataset.data_loader.shuffle": False,
-        "runner_config.stop_step": STEPS,
-        "optimizer.learning_rate": LR,
-        "optimizer.warmup_steps": 0,
-        "lr_schedule.type": "constant",
-        "optimizer.weight_decay": 0.0,
-        "model.model_config.rms_norm_eps": 1e-5,
+        **full_batch_overrides(len(RECORDS), STEPS, LR),
         **{f"preference_config.{k}": v for k, v in preference.items()},
     }
     run_training(load_config(None, tiny_overrides(root / "data", root / name, extra)))
@@ -77,12 +70,7 @@ def trl_run(root, name: str, trainer: str, **args) -> tuple[list[float], list[di
     # not: the tiny tokenizer names <|endoftext|> as its BOS, so it is unset for CPO to see the same sequences.
     extra_tok = {"bos_token": None} if trainer == "cpo" else {}
     tok = transformers.PreTrainedTokenizerFast.from_pretrained(str(root / "hf"), **extra_tok)
-    common = dict(
-        output_dir=str(root / name), per_device_train_batch_size=len(RECORDS), max_steps=STEPS,
-        learning_rate=LR, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, adam_beta1=0.9,
-        adam_beta2=0.95, adam_epsilon=1e-8, max_grad_norm=1.0, logging_steps=1, report_to=[], use_cpu=True,
-        save_strategy="no", seed=0, dataloader_drop_last=True, max_length=33, bf16=False,
-    )  # fmt: skip
+    common = {**trl_full_batch_args(root / name, len(RECORDS), STEPS, LR), "max_length": 33}
     if trainer == "dpo":
         config_cls, trainer_cls = trl.DPOConfig, trl.DPOTrainer
     else:

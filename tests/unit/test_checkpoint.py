@@ -144,3 +144,23 @@ def test_parameters_are_stored_in_param_init_type():
     model = create_model(cfg.model.model_config, 0)
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
     assert model.rope.cos.dtype == torch.float32  # rotary tables keep rotary_dtype
+
+
+def test_full_weights_reach_compiled_layers_by_their_checkpoint_names():
+    """A compiled layer's parameters are named `layers.N._orig_mod.*` in its module; full tensors (a Hugging Face
+    model's, a distillation teacher's) come under checkpoint names and must still land in it (compile is on by
+    default on a GPU). Wrapping compiles nothing until a forward, so this costs no compile."""
+    from meshformer.checkpoint import store
+    from meshformer.models import build_model, materialize
+    from meshformer.models.init import canonical_name
+
+    args = {"hidden_size": 16, "num_layers": 2, "num_heads": 2, "vocab_size": 32, "seq_length": 8}
+    cfg = load_config(None, [x for k, v in args.items() for x in (f"--model.model_config.{k}", str(v))])
+    model = build_model(cfg.model.model_config)
+    for key in list(model.layers.keys()):
+        model.layers[key] = torch.compile(model.layers[key])
+    materialize(model, torch.device("cpu"), 0, torch.float32)
+    assert any("_orig_mod." in name for name in model.state_dict())
+    tensors = {canonical_name(k): torch.full_like(v, 0.5) for k, v in model.state_dict().items()}
+    store.load_full_weights([model], tensors)
+    assert all(bool((v == 0.5).all()) for v in model.state_dict().values())

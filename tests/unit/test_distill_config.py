@@ -91,6 +91,8 @@ def test_bad_teachers_are_one_line(tmp_path, capsys):
     hf = _hf_teacher(tmp_path)
     fails(capsys, ["config", "check", _write(tmp_path, {"teacher": str(hf), "top_k": VOCAB + 1})],
           "distill_config.top_k=97", "vocabulary")  # fmt: skip
+    cp = "parallel_config: {context_parallel: 2}\n"
+    fails(capsys, ["config", "check", _write(tmp_path, {"teacher": str(hf)}, cp)], "context_parallel=2", "not run")
     both = "preference_config: {method: simpo}\n"
     fails(capsys, ["config", "check", _write(tmp_path, {"teacher": str(hf)}, both)], "preference_config.method=simpo")
     (hf / "config.json").write_text(json.dumps({"model_type": "llama"}))

@@ -100,6 +100,14 @@ def test_a_teacher_adds_its_weights_and_its_logits(tmp_path):
     tp2 = make_plan(cfg, ParallelDims.from_config(cfg, 2), ACCELERATORS["H100"], 2, 1).stages[0].second
     assert tp2.logits_bytes == s.second.logits_bytes // 2
     assert s.second.weights_bytes / 2 < tp2.weights_bytes < 0.51 * s.second.weights_bytes  # norms replicated
+    # pipeline parallelism: the teacher's stages run first, so its logits of all 4 micro-batches (float32) wait on
+    # the last stage; the first stage holds its share of the teacher's weights and no logits
+    argv = [x for k, v in {**TINY, "distill_config.teacher": teacher, "parallel_config.pipeline_stage": 2,
+                           "parallel_config.micro_batch_num": 4}.items() for x in (f"--{k}", str(v))]  # fmt: skip
+    cfg = load_config(None, argv)
+    first, last = make_plan(cfg, ParallelDims.from_config(cfg, 2), ACCELERATORS["H100"], 2, 4).stages
+    assert first.second.logits_bytes == 0 and first.second.weights_bytes > 0
+    assert last.second.logits_bytes == s.second.logits_bytes + 3 * 2 * SEQ * VOCAB * 4
 
 
 def test_doctor_says_which_reference_makes_a_run_fit(capsys):

@@ -266,8 +266,10 @@ def load_model_weights(path: Path, parts, expected: dict[str, tuple[int, ...]] |
 def load_full_weights(parts, tensors: dict[str, torch.Tensor]) -> None:
     """Load full (unsharded) tensors, the same on every rank, into this rank's parts: DTensor parameters take
     their own shard, pipeline stages their own layers (names they lack are not theirs)."""
+    from meshformer.models.init import canonical_name
+
     for m in parts:
-        names = set(m.state_dict())
+        names = {canonical_name(n) for n in m.state_dict()}  # a compiled layer's names hold `_orig_mod.`
         nf4 = fill_nf4_weights(m, tensors)
         mine = {k: v for k, v in tensors.items() if k in names and k not in nf4}
         set_model_state_dict(m, mine, options=StateDictOptions(full_state_dict=True, strict=False))

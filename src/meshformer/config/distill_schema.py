@@ -116,6 +116,11 @@ def check_distill(cfg) -> None:
     if method != "none":
         raise _refuse("teacher", repr(dc.teacher), f"distillation and preference_config.method={method} in one "
                       f"run are not supported: run them one after the other")  # fmt: skip
+    pc = cfg.parallel_config
+    for name, degree in (("context_parallel", pc.context_parallel), ("expert_parallel", pc.expert_parallel)):
+        if degree > 1:
+            raise _refuse("teacher", repr(dc.teacher), f"the teacher does not run under parallel_config.{name}="
+                          f"{degree} yet: use data, FSDP, tensor or pipeline parallelism")  # fmt: skip
     if dc.top_k is not None and dc.top_k > vocab:
         raise _refuse("top_k", dc.top_k, f"more than the vocabulary ({vocab}): lower it, or remove it to keep all")
     teacher_vocab, where = teacher_vocab_size(dc.teacher)

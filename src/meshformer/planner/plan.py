@@ -167,7 +167,7 @@ def make_plan(
         st = with_context_parallel(st, cfg, dims, rows)  # the gathered keys and values
         last = st.stage == dims.pp - 1 or (dims.pp > 1 and cfg.parallel_config.pipeline_schedule in _V)
         logits = (T * math.ceil(mc.vocab_size / dims.tp) * (a + (4 if low else 0))) if last else 0
-        second = second_model(cfg, dims, st.stage, T, last)
+        second = second_model(cfg, dims, st.stage, T, last, n_micro)
         logits += second.logits_bytes  # the teacher's, alive with the student's for the loss
         offload = cfg.parallel_config.cpu_offload and acc.name != "cpu"
         step_tmp = 0 if fused else st.grads_bytes  # foreach: one more copy of what it updates

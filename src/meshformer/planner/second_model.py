@@ -14,7 +14,9 @@
                           param_init_type (no gradients or optimizer states), plus its logits on the last stage:
                           per micro-batch, T x vocab / tp in the compute dtype (its output) and twice in float32
                           (its log-probabilities and probabilities, kept for the student's backward through the
-                          divergence; train/distill_loss.py), for the one micro-batch whose loss is computed.
+                          divergence; train/distill_loss.py), for the one micro-batch whose loss is computed;
+                          under pipeline parallelism also the other micro-batches' logits of the step (float32),
+                          computed before the student's schedule and held on the last stage until their loss.
 Preference pairs put a pair's chosen and rejected in the same micro-batch: `train_dataset.batch_size` counts pairs,
 so activations and logits are those of twice the rows (`rows_per_sample`); KTO examples are one row each.
 """
@@ -117,9 +119,13 @@ def _precomputed_disk_bytes(cfg: MeshformerConfig) -> int | None:
     return samples * 2 * LOGPROB_BYTES  # pairs: chosen and rejected; KTO: the example and its KL partner
 
 
-def second_model(cfg: MeshformerConfig, dims: ParallelDims, pp_rank: int, tokens: int, last: bool) -> SecondModel:
+def second_model(
+    cfg: MeshformerConfig, dims: ParallelDims, pp_rank: int, tokens: int, last: bool, n_micro: int = 1
+) -> SecondModel:
     """The second model's bytes on one rank of pipeline rank `pp_rank`. tokens: of one micro-batch on this rank
-    (rows x seq_length / cp); last: the rank computes the loss (holds the last stage)."""
+    (rows x seq_length / cp); last: the rank computes the loss (holds the last stage); n_micro: the step's
+    micro-batches on this rank (under pipeline parallelism the teacher's logits of all of them wait on the last
+    stage, in float32, for the student's schedule: train/distill_step.py)."""
     from meshformer.planner.memory import states_bytes
 
     if cfg.distill_config.enabled:
@@ -128,7 +134,10 @@ def second_model(cfg: MeshformerConfig, dims: ParallelDims, pp_rank: int, tokens
         logits = 0
         if last:
             mc = tcfg.model.model_config
-            logits = tokens * math.ceil(mc.vocab_size / dims.tp) * (_element_size(mc.compute_dtype) + 2 * 4)
+            shard = tokens * math.ceil(mc.vocab_size / dims.tp)
+            logits = shard * (_element_size(mc.compute_dtype) + 2 * 4)
+            if dims.pp > 1:
+                logits += (n_micro - 1) * shard * 4
         return SecondModel("teacher", weights, logits)
     ref = reference_kind(cfg)
     if ref == "copy":

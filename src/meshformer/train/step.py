@@ -33,6 +33,7 @@ from meshformer.models.registry import family_of
 from meshformer.models.transforms import ModelTransform, apply_model_transforms
 from meshformer.parallel import ModelParts, ParallelEnv, parallelize
 from meshformer.parallel.context_parallel import local_sequence
+from meshformer.train.distill_step import DistillObjective, trains_distillation
 from meshformer.train.frozen_model import FrozenModel
 from meshformer.train.hooks import Hooks, StepBatch
 from meshformer.train.optim import Optimizers
@@ -52,13 +53,27 @@ def make_loss_fn(cfg: MeshformerConfig):
     return loss_fn
 
 
+# A loss the parts call in place of the token cross-entropy, with `prepare` and `step_metrics` around the step
+Objective = PreferenceObjective | DistillObjective
+
+
+def make_objective(cfg: MeshformerConfig, env: ParallelEnv) -> Objective | None:
+    """The run's objective: a preference run's, a distillation run's (its second model is attached after the
+    build: build_reference, train/distill_teacher.py build_teacher), or None (the token cross-entropy)."""
+    if trains_preferences(cfg):
+        return PreferenceObjective(cfg, env)
+    if trains_distillation(cfg):
+        return DistillObjective(cfg, env)
+    return None
+
+
 @dataclass
 class BuiltModel:
     model: torch.nn.Module  # the whole transformed model, still on the meta device (for counting, plans)
     parts: ModelParts  # this rank's materialized pieces, parallelized
     transforms: list[str]  # names of the model transforms applied, in order
     matmul_note: str = ""  # CPU runs: which library runs the fp32 linear layers, and why (cpu_matmul)
-    objective: PreferenceObjective | None = None  # a preference run's loss (its parts call it), else None
+    objective: Objective | None = None  # a preference or distillation run's loss (its parts call it), else None
 
 
 def build_parts(
@@ -80,7 +95,7 @@ def build_parts(
     # After the transforms (LoRA's own linears included), before parallelism wraps anything.
     matmul_note = apply_cpu_matmul(model, cfg.cpu_matmul, env.device, DTYPE[mc.compute_dtype], split_backward)
     run_flops = None if run_tokens is None else run_tokens * family_of(mc).flops_per_token(mc)
-    objective = PreferenceObjective(cfg, env) if trains_preferences(cfg) else None
+    objective = make_objective(cfg, env)
     parts = parallelize(model, cfg, env, objective or make_loss_fn(cfg), run_flops)
     for part in parts.parts:
         materialize(part, env.device, cfg.seed, DTYPE[mc.param_init_type])
@@ -126,7 +141,7 @@ def train_step(
     clock=None,
     hooks: Hooks | Iterable = (),
     step: int | None = None,
-    objective: PreferenceObjective | None = None,
+    objective: Objective | None = None,
 ) -> StepResult:
     """Forward/backward over this rank's `n_micro` micro-batches, clip, optimizer step, zero the gradients.
 
@@ -135,7 +150,9 @@ def train_step(
     the forward/backward and before and after the optimizer step, told `step` (metrics.jsonl's number of it);
     activation and memory measurement (train/memory.py MemoryMeter) is one of them.
     `objective` (a preference run's, train/preference_step.py): rows are pairs, the reference runs first, the
-    loss is normalised by the global pair count and the step's metrics gain TRL's rewards and log-probs.
+    loss is normalised by the global pair count and the step's metrics gain TRL's rewards and log-probs; (a
+    distillation run's, train/distill_step.py): the teacher runs first, the loss mixes its divergence with the
+    cross-entropy, normalised by the global token count, and the metrics gain both means.
     A non-finite loss or gradient norm skips the optimizer step on every rank (the weights and optimizer states
     stay as they were): one bad batch or overflow must not poison the run. `loss_scale` (fp16, train/loss_scale.py)
     multiplies the loss before backward; the gradients are divided by it before the norm and the update.
@@ -148,7 +165,7 @@ def train_step(
     # Context parallel ranks read the same rows and keep their own tokens of them (the documents stay whole: the
     # model's pre-hook needs the row's layout); from here on every loss rank holds different tokens.
     inputs, labels = local_sequence(env, inputs, labels)
-    if objective is not None:  # labels become targets (labels + the reference's log-probs); n_tok counts pairs
+    if objective is not None:  # labels become targets (+ the reference's log-probs or the teacher's logits)
         labels, n_tok = objective.prepare(inputs, labels, documents, n_micro)
     else:
         n_tok = env.reduce_sum((labels != ignore_index).sum().to(torch.float64), "loss")

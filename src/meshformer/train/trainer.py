@@ -25,6 +25,7 @@ from meshformer.config.load import to_dict
 from meshformer.config.schema import MeshformerConfig
 from meshformer.errors import RunFailed, UserError
 from meshformer.models import num_params
+from meshformer.models.init import canonical_name
 from meshformer.observe.timing import StepClock
 from meshformer.parallel import ModelParts, ParallelEnv, init_parallel
 from meshformer.parallel.batch_plan import BatchPlan
@@ -35,6 +36,7 @@ from meshformer.train import (
 from meshformer.train.base_source import BaseModelSource, source_of
 from meshformer.train.checkpointing import Checkpointing, check_resumable, run_identity
 from meshformer.train.data import TrainingData
+from meshformer.train.distill_teacher import build_teacher
 from meshformer.train.evaluation import Evaluation
 from meshformer.train.finetune import apply_finetune_base
 from meshformer.train.hooks import Hooks, registered_hooks
@@ -42,6 +44,7 @@ from meshformer.train.loading import check_tokenizer, load_base_weights
 from meshformer.train.loss_scale import LossScaler
 from meshformer.train.optim import Optimizers, Schedule
 from meshformer.train.preemption import StopRequests, stop_signals_held
+from meshformer.train.preference_step import PreferenceObjective
 from meshformer.train.progress import Progress
 from meshformer.train.run_dir import RunDir
 from meshformer.train.run_metrics import RunMetrics
@@ -117,18 +120,22 @@ class Trainer:
         self.n_embedding = 0 if self.mc.tie_word_embeddings else built.model.embed_tokens.weight.numel()
         self.parts: ModelParts = built.parts
         # What a checkpoint must hold for this model: every tensor by name and global shape, nothing else.
-        self.expected_shapes = {k: tuple(v.shape) for k, v in built.model.state_dict().items()}
+        # (by checkpoint names: a compiled or recomputed layer's wrappers are not part of them)
+        self.expected_shapes = {canonical_name(k): tuple(v.shape) for k, v in built.model.state_dict().items()}
         self.optimizer = Optimizers(self.parts.parts, cfg)
         self.schedule = Schedule(self.optimizer, cfg, self.total_steps)
-        self.objective = built.objective  # a preference run's loss, with its frozen reference
-        if self.objective is not None:
+        self.objective = built.objective  # a preference run's loss with its frozen reference, or distillation's
+        if isinstance(self.objective, PreferenceObjective):
             self.objective.reference = build_reference(cfg, self.env, self.parts)
+        elif self.objective is not None:  # the teacher: built as the student, loaded from distill_config.teacher
+            self.objective.teacher = build_teacher(cfg, self.env, self.sources)
 
     def _start_state(self) -> None:
         """The components at step 0, then the checkpoint to resume from or the weights to start from."""
         cfg, log = self.cfg, self.console.log
         self.start_step = 0
-        self.evaluation = Evaluation(cfg, self.env, self.data, log, self.objective)
+        pairs = self.objective if isinstance(self.objective, PreferenceObjective) else None  # validation on pairs
+        self.evaluation = Evaluation(cfg, self.env, self.data, log, pairs)
         self.skips = SkippedSteps(cfg.runner_wrapper.max_consecutive_skips, log)
         self.scaler = LossScaler.from_config(cfg)  # fp16: dynamic loss scaling (train/loss_scale.py)
         self.metrics = RunMetrics(cfg, self.env, self.out, self.plan, self.console)
@@ -144,7 +151,7 @@ class Trainer:
         """A `reference: copy` holds the run's starting weights: the policy's before its first step; on a resume,
         those the run started from (trainer_state.json's REFERENCE_KEY: its load_checkpoint), else the seed's
         initialisation, which the policy started from too."""
-        reference = self.objective.reference if self.objective is not None else None
+        reference = self.objective.reference if isinstance(self.objective, PreferenceObjective) else None
         if reference is None or not reference.owns_weights:
             return
         if self.resume_from is None:
