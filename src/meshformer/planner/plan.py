@@ -166,7 +166,9 @@ def make_plan(
         host = (st.states_bytes + step_tmp if offload else 0) + st.swapped_bytes
         early = st.grads_bytes if n_micro > 1 or dims.pp > 1 else 0  # gradients alive at the activation peak
         resident = st.params_bytes + st.optimizer_bytes + second.weights_bytes  # a frozen second model's weights
-        allocated = working if offload else resident + max(working + early, st.grads_bytes + step_tmp)
+        # the reference's forward runs before the policy's: its transient never meets the policy's activations
+        peaks = (working + early, st.grads_bytes + step_tmp, second.forward_bytes)
+        allocated = max(working, second.forward_bytes) if offload else resident + max(peaks)
         reserved = int(allocated * (1 + FRAGMENTATION) + acc.runtime(dims))
         stages.append(StagePlan(st, logits, step_tmp, gathered, allocated, reserved, int(mem - reserved), host, second))
     swapped = max(st.memory.swapped_bytes for st in stages) * max(1, n_micro) / max(1, stages[0].memory.in_flight)
