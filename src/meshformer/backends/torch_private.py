@@ -212,3 +212,11 @@ def dtensor_local(t: torch.Tensor) -> torch.Tensor:
     """A DTensor's local shard as it is stored, outside autograd (DTensor._local_tensor, torch 2.13.0); any other
     tensor itself."""
     return t._local_tensor if hasattr(t, "_local_tensor") else t
+
+
+def dispatch_mode_base() -> type:
+    """The base class of a mode that sees every aten operation run under it (torch.utils._python_dispatch.
+    TorchDispatchMode, torch 2.13.0: no public name)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    return TorchDispatchMode

@@ -167,6 +167,8 @@ def _print_second_model(console, plan, d: dict) -> None:
     parts = [f"frozen weights {weights / GIB:.2f} GiB per rank (in allocated)"] if weights else []
     if second["logits_bytes"]:
         parts.append(f"its logits {second['logits_bytes'] / GIB:.2f} GiB (in the logits column)")
+    if second["forward_bytes"]:
+        parts.append(f"its no_grad forward {second['forward_bytes'] / GIB:.2f} GiB at its peak, before the policy's")
     if second["kind"] == "reference: precomputed":
         disk = second["disk_bytes"]
         parts.append(f"{disk / GIB:.2f} GiB on disk" if disk is not None else "8 bytes a pair on disk")

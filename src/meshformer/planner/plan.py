@@ -177,7 +177,9 @@ def make_plan(
         host = (st.states_bytes + step_tmp if offload else 0) + st.swapped_bytes
         early = st.grads_bytes if n_micro > 1 or dims.pp > 1 else 0  # gradients alive at the activation peak
         resident = st.params_bytes + st.optimizer_bytes + second.weights_bytes  # a frozen second model's weights
-        allocated = working if offload else resident + max(working + early, st.grads_bytes + step_tmp)
+        # the reference's forward runs before the policy's: its transient never meets the policy's activations
+        peaks = (working + early, st.grads_bytes + step_tmp, second.forward_bytes)
+        allocated = max(working, second.forward_bytes) if offload else resident + max(peaks)
         fixed = 0 if offload else resident  # allocated once, before the first step
         reserved = int(fixed + (allocated - fixed) * (1 + FRAGMENTATION[compiled]))
         headroom = int(mem - reserved - acc.runtime(dims))

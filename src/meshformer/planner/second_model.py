@@ -6,6 +6,12 @@
                           (param_init_type): the policy's parameter bytes again, no gradients, no optimizer states,
                           no saved activations (its forward runs under no_grad).
   reference: adapter      the policy with its LoRA adapters off: nothing more on the device.
+  a reference's forward   (copy and adapter) runs for the step's micro-batches before the policy's, one at a time,
+                          under no_grad: nothing is kept, but on the last stage a micro-batch's logits live with
+                          their cast to softmax_compute_dtype (when it differs) and the log-softmax the per-sequence
+                          log-probabilities take: T x vocab / tp x (compute + softmax + softmax bytes). The
+                          policy's activations do not exist yet, so this is the step's peak beside the resident
+                          states when it exceeds the policy's working memory.
   reference: precomputed  nothing on the device; on disk, one float32 log-probability per sequence of the training
                           split (a pair's chosen and rejected: 8 bytes a pair; KTO: 4 bytes an example and 4 for its
                           KL partner), stored with the run.
@@ -42,6 +48,7 @@ class SecondModel:
     kind: str  # "reference: copy", "reference: adapter", "reference: precomputed", "teacher" or "" (none)
     weights_bytes: int = 0  # frozen weights on this rank's device
     logits_bytes: int = 0  # the teacher's logits kept for the loss on the last stage (one micro-batch's)
+    forward_bytes: int = 0  # a reference's no_grad forward: what one micro-batch allocates and frees again
     disk_bytes: int | None = None  # precomputed reference log-probs on disk (None: the dataset's size is unknown)
 
     def as_dict(self) -> dict:
@@ -49,6 +56,7 @@ class SecondModel:
             "kind": self.kind,
             "weights_bytes": self.weights_bytes,
             "logits_bytes": self.logits_bytes,
+            "forward_bytes": self.forward_bytes,
             "disk_bytes": self.disk_bytes,
         }
 
@@ -119,6 +127,17 @@ def _precomputed_disk_bytes(cfg: MeshformerConfig) -> int | None:
     return samples * 2 * LOGPROB_BYTES  # pairs: chosen and rejected; KTO: the example and its KL partner
 
 
+def reference_forward_bytes(cfg: MeshformerConfig, dims: ParallelDims, tokens: int, last: bool) -> int:
+    """A reference's no_grad forward of one micro-batch at its peak (the module docstring): the logits, their cast
+    to softmax_compute_dtype and its log-softmax (train/preference_step.row_logps); 0 before the last stage."""
+    if not last:
+        return 0
+    mc = cfg.model.model_config
+    compute, softmax = _element_size(mc.compute_dtype), _element_size(mc.softmax_compute_dtype)
+    cast = softmax if mc.softmax_compute_dtype != mc.compute_dtype else 0
+    return tokens * math.ceil(mc.vocab_size / dims.tp) * (compute + cast + softmax)
+
+
 def second_model(
     cfg: MeshformerConfig, dims: ParallelDims, pp_rank: int, tokens: int, last: bool, n_micro: int = 1
 ) -> SecondModel:
@@ -140,12 +159,13 @@ def second_model(
                 logits += (n_micro - 1) * shard * 4
         return SecondModel("teacher", weights, logits)
     ref = reference_kind(cfg)
+    forward = reference_forward_bytes(cfg, dims, tokens, last)
     if ref == "copy":
-        return SecondModel("reference: copy", states_bytes(cfg, dims, pp_rank)[0])
+        return SecondModel("reference: copy", states_bytes(cfg, dims, pp_rank)[0], forward_bytes=forward)
     if ref == "precomputed":
         return SecondModel("reference: precomputed", disk_bytes=_precomputed_disk_bytes(cfg))
     if ref == "adapter":
-        return SecondModel("reference: adapter")
+        return SecondModel("reference: adapter", forward_bytes=forward)
     return SecondModel("")
 
 

@@ -38,6 +38,7 @@ class FrozenModel:
         self.parts = parts
         self.context = context or contextlib.nullcontext
         self.owns_weights = context is None
+        self.measure = contextlib.nullcontext  # what the memory meter watches the forward with (train/memory.py)
 
     @classmethod
     def frozen(cls, parts: ModelParts) -> FrozenModel:
@@ -75,7 +76,7 @@ class FrozenModel:
         out = []
         docs = documents.chunk(n_micro) if documents is not None else [None] * n_micro
         try:
-            with self.context(), parts.loss_context(), parts.autocast():
+            with self.context(), self.measure(), parts.loss_context(), parts.autocast():
                 for i, (x, d) in enumerate(zip(inputs.chunk(n_micro), docs)):
                     logits = model(x) if d is None else model(x, documents=d)
                     out.append(fn(logits, i))

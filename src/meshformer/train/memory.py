@@ -9,10 +9,16 @@ Measured on the first step of every run, so a planner's prediction can be checke
   flight. Parameters saved by the layers that use them are not counted again, nor are the weights FSDP gathers
   (which it frees after the forward whoever saved them), even when a layer computes on their local tensor (an
   MoE router and experts under tensor and expert parallelism) rather than on the Parameter;
-- peak: on a GPU the CUDA allocator's peak; on the CPU (no allocator peak) the sum of the four.
+- a preference run's frozen reference (train/frozen_model.py): its own weights (`reference: copy`; the policy's
+  with its adapters off own none) and the peak of the tensors its no_grad forward creates and frees again (the
+  logits of a micro-batch, their log-probabilities, autocast's weight copies), counted per operation by a
+  dispatch mode since nothing is saved for backward;
+- peak: on a GPU the CUDA allocator's peak; on the CPU (no allocator peak) the states, the reference's weights
+  and the larger of the activations and the reference's forward (it runs before the policy's).
 
 metrics.jsonl gets `mem_params_bytes`, `mem_grads_bytes`, `mem_optim_bytes`, `mem_activations_bytes` and
-`peak_mem_bytes` (the metrics rank's); `{output_dir}/memory.json` has every rank's breakdown.
+`peak_mem_bytes` (the metrics rank's), with a reference `mem_reference_bytes` and `mem_reference_forward_bytes`;
+`{output_dir}/memory.json` has every rank's breakdown.
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ from pathlib import Path
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from meshformer.backends.torch_private import dtensor_local, view_base
+from meshformer.backends.torch_private import dispatch_mode_base, dtensor_local, tree_leaves, view_base
 from meshformer.train.metrics import plain_tensors, tensor_bytes
 
 
@@ -116,6 +122,23 @@ class ActivationCounter:
                 h.remove()
 
 
+class ForwardCounter(dispatch_mode_base()):
+    """While active, every tensor an operation returns goes through `counter.pack` (ActivationCounter's
+    bookkeeping: a storage counts while a tensor on it lives; the model's parameters and buffers never): the live
+    and peak bytes of a forward that saves nothing for backward."""
+
+    def __init__(self, counter: ActivationCounter):
+        super().__init__()
+        self.counter = counter
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self.counter.pack(t)
+        return out
+
+
 def counter_for(parts) -> ActivationCounter:
     """A counter for one step of `parts` (ModelParts): the storages of their parameters (a DTensor's local shard)
     and buffers are the model's, and a pipeline stage's receive buffers are held through the step."""
@@ -144,6 +167,26 @@ class MemoryMeter:
         self.activations = 0
         self.measured = 0  # steps whose activations were measured
         self._written = 0
+        self.reference = None  # a preference run's frozen reference (watch_reference)
+        self.reference_weights = 0
+        self.reference_forward = 0
+
+    def watch_reference(self, reference) -> None:
+        """Measure `reference` (a FrozenModel): the bytes of its own weights, and its forward's peak on the first
+        MEASURED_STEPS steps."""
+        self.reference = reference
+        self.reference_weights = tensor_bytes(reference.parts.parameters()) if reference.owns_weights else 0
+        reference.measure = self._measure_reference
+
+    @contextlib.contextmanager
+    def _measure_reference(self):
+        if self.measured >= MEASURED_STEPS:
+            yield
+            return
+        counter = counter_for(self.reference.parts)
+        with ForwardCounter(counter):
+            yield
+        self.reference_forward = max(self.reference_forward, counter.peak)
 
     def capture(self):
         """Saved-tensor hooks for this step's forward/backward (the first MEASURED_STEPS steps), else None."""
@@ -180,13 +223,19 @@ class MemoryMeter:
         if self.env.device.type == "cuda":
             peak = torch.cuda.max_memory_allocated(self.env.device)
         else:
-            peak = s["params_bytes"] + s["grads_bytes"] + s["optimizer_bytes"] + self.activations
+            working = max(self.activations, self.reference_forward)
+            peak = s["params_bytes"] + s["grads_bytes"] + s["optimizer_bytes"] + self.reference_weights + working
+        reference = {}
+        if self.reference is not None:
+            reference = {"mem_reference_bytes": self.reference_weights}
+            reference["mem_reference_forward_bytes"] = self.reference_forward
         return {
             "peak_mem_bytes": peak,
             "mem_params_bytes": s["params_bytes"],
             "mem_grads_bytes": s["grads_bytes"],
             "mem_optim_bytes": s["optimizer_bytes"],
             "mem_activations_bytes": self.activations,
+            **reference,
         }
 
     def write_report(self, out_dir: Path, record: dict[str, int]) -> None:
@@ -203,6 +252,9 @@ class MemoryMeter:
             "activations_bytes": record["mem_activations_bytes"],
             "peak_bytes": record["peak_mem_bytes"],
         }
+        for key in ("reference_bytes", "reference_forward_bytes"):
+            if f"mem_{key}" in record:
+                mine[key] = record[f"mem_{key}"]
         ranks = self.env.all_gather_object(mine)
         if self.env.rank == 0:
             report = {str(r): v for r, v in enumerate(ranks)}

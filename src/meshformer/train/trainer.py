@@ -241,6 +241,8 @@ class Trainer:
             self.run_dir.replace_old(self.cfg.tensorboard.tensorboard_dir)  # only now: model built and loaded
         counts = (self.n_params, self.n_trainable, self.n_embedding)
         memory = self.metrics.start(self.parts, self.optimizer, counts, self.total_steps)
+        if self.objective is not None and self.objective.reference is not None:
+            memory.watch_reference(self.objective.reference)  # its weights and its forward, beside the policy's
         hooks = Hooks([memory, *self.hooks])  # memory measurement outermost: it sees what the others add
         self.parts.train()
         with StopRequests(self.cfg.runner_config.preemption_grace_seconds, self.console.log) as stop:
