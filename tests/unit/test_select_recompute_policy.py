@@ -95,3 +95,27 @@ def test_an_unknown_policy_is_one_line(capsys):
         ]
     )
     refused(capsys, rc, "select_recompute_policy='alternate'", "did you mean 'alternate_matmuls'")
+
+
+def test_the_planner_adds_the_recomputed_matmuls_flops():
+    """alternate_matmuls runs k, o and up again in backward: the plan's hardware FLOPs grow by their forward,
+    the model FLOPs (MFU's numerator) do not; `matmuls` recomputes no matmul."""
+    from meshformer.parallel.dims import ParallelDims
+    from meshformer.planner.accelerators import ACCELERATORS
+    from meshformer.planner.plan import make_plan
+
+    plans = {}
+    for policy in ("none", "matmuls", "alternate_matmuls"):
+        extra = {} if policy == "none" else {"recompute_config.select_recompute": True}
+        extra |= {"recompute_config.select_recompute_policy": policy} if policy != "none" else {}
+        cfg = load_config(None, [x for k, v in {**MODEL, **extra}.items() for x in (f"--{k}", str(v))])
+        plans[policy] = make_plan(cfg, ParallelDims.from_config(cfg, 1), ACCELERATORS["H100"], 2, 1).throughput
+    mc = cfg.model.model_config
+    h, f, q, kv = mc.hidden_size, mc.ffn_hidden_size, mc.num_heads * mc.dim_per_head, mc.num_kv_heads * mc.dim_per_head
+    tokens = 2 * mc.seq_length
+    recomputed = 2 * (h * kv + q * h + h * f) * mc.num_layers * tokens
+    none, every, alternate = plans["none"], plans["matmuls"], plans["alternate_matmuls"]
+    assert every.hardware_flops_per_step == none.hardware_flops_per_step
+    assert alternate.hardware_flops_per_step == pytest.approx(none.hardware_flops_per_step + recomputed, rel=1e-12)
+    assert alternate.flops_per_step == none.flops_per_step
+    assert alternate.tokens_per_s < every.tokens_per_s
