@@ -47,6 +47,15 @@ CASES = {
     # the copies weigh more than the activations' tolerance.
     "bf16, full recompute": {**FEW_TOKENS_BF16, "recompute_config.recompute": True},
     "bf16, selective recompute": {**FEW_TOKENS_BF16, "recompute_config.select_recompute": True},
+    "selective, alternate matmuls": {
+        "recompute_config.select_recompute": True,
+        "recompute_config.select_recompute_policy": "alternate_matmuls",
+    },
+    "bf16, selective, alternate matmuls": {
+        **FEW_TOKENS_BF16,
+        "recompute_config.select_recompute": True,
+        "recompute_config.select_recompute_policy": "alternate_matmuls",
+    },
     "q/k norm, tied": {"model.model_config.use_qk_norm": True, "model.model_config.tie_word_embeddings": True},
     "lora": {"model.model_config.pet_method": "lora"},
 }

@@ -46,6 +46,13 @@ LLAMA_CASES = {
     "tp2 + SP, GQA": {**TP2_SP, **GQA},
     "tp2, bf16": {**BF16, "parallel_config.model_parallel": 2},
     "dp2 bf16 (gathered weights)": {**BF16, "parallel_config.data_parallel": 2},
+    "alternate matmuls, GQA": {**GQA, "recompute_config.select_recompute_policy": "alternate_matmuls"},
+    "alternate matmuls, lora, bf16": {
+        **BF16,
+        "model.model_config.pet_method": "lora",
+        "recompute_config.select_recompute_policy": "alternate_matmuls",
+    },
+    "alternate matmuls, tp2 + SP": {**TP2_SP, "recompute_config.select_recompute_policy": "alternate_matmuls"},
 }
 
 
@@ -63,7 +70,10 @@ def _shape(cfg, dims, micro_batch: int) -> memory.ActivationShape:
     autocast = mc.compute_dtype != mc.param_init_type
     residual = a if (autocast and dims.dp > 1) or not autocast else memory._size(mc.param_init_type)
     sp = cfg.parallel_config.use_seq_parallel and dims.tp > 1
-    return memory.ActivationShape(micro_batch, mc.seq_length, dims.tp, sp, n, a, residual, residual > a, autocast)
+    policy = cfg.recompute_config.select_recompute_policy
+    return memory.ActivationShape(
+        micro_batch, mc.seq_length, dims.tp, sp, n, a, residual, residual > a, autocast, select_policy=policy
+    )
 
 
 @pytest.mark.parametrize("name", list(LLAMA_CASES))
@@ -210,6 +220,10 @@ TOY_CASES = {
     "fp32": {},
     "bf16 autocast": BF16,
     "selective recompute": {"recompute_config.select_recompute": True},
+    "selective, alternate matmuls": {
+        "recompute_config.select_recompute": True,
+        "recompute_config.select_recompute_policy": "alternate_matmuls",
+    },
     "full recompute, bf16": {**BF16, "recompute_config.recompute": True, "train_dataset.batch_size": 1},
 }
 

@@ -189,6 +189,12 @@ class RecomputeConfig:
         "Selective recomputation (keep matmul/attention outputs, recompute element-wise work): true, per-stage "
         "layer counts, or MindSpore's {op pattern: counts}.",
     )
+    select_recompute_policy: str = setting(
+        "matmuls",
+        "What a selectively recomputed layer keeps of its matmuls: matmuls (every output) or alternate_matmuls "
+        "(torchtitan's op-level selective AC: every other linear's output, the rest recomputed; less memory).",
+        choices=("matmuls", "alternate_matmuls"),
+    )
     parallel_optimizer_comm_recompute: bool = setting(
         False, "Recompute optimizer-shard all-gathers in backward (FSDP reshards)."
     )

@@ -30,6 +30,7 @@ class ActivationShape:
     autocast: bool  # compute_dtype differs from param_init_type (the forward runs under autocast)
     ep: int = 1  # expert-parallel degree (selective recompute keeps its all-to-alls' outputs)
     expert_copies: bool = False  # autocast casts the routed experts' weights (no data parallelism gathers them low)
+    select_policy: str = "matmuls"  # recompute_config.select_recompute_policy: which matmul outputs selective keeps
 
     @property
     def tokens(self) -> int:
@@ -83,3 +84,10 @@ class ActivationModel(Protocol):
         sends_output: bool,
         styles: dict[str, str],
     ) -> PieceActivations: ...
+
+
+def kept_matmul(policy: str, index: int) -> bool:
+    """Whether a selectively recomputed layer keeps the output of its `index`-th linear matmul (0-based, in the
+    order its forward runs them) under recompute_config.select_recompute_policy: `matmuls` keeps every one,
+    `alternate_matmuls` (torchtitan's op-level SAC) the first, third, ... (parallel/recompute.py applies it)."""
+    return policy == "matmuls" or index % 2 == 0

@@ -114,7 +114,13 @@ def parallelize(
             apply_tp(part, env.submesh("tp"), plan, cfg.parallel_config.use_seq_parallel)
         apply_expert_parallel(part, env)
         rc = cfg.recompute_config
-        apply_recompute(part, rc.recompute, stage_index=env.pp_rank, select=rc.select_recompute)
+        apply_recompute(
+            part,
+            rc.recompute,
+            stage_index=env.pp_rank,
+            select=rc.select_recompute,
+            select_policy=rc.select_recompute_policy,
+        )
         if env.device.type == "cuda":
             apply_swap(part, cfg.swap_config)
         if compiled:

@@ -14,6 +14,13 @@ the FLOPs. `true` selects every layer, a list counts layers per stage as for
 ...), all of which the policy recomputes (keeping everything but the named ones would keep more than no
 recompute: the policy keeps every output it is told to keep). A layer counted by both is fully recomputed.
 
+`select_recompute_policy` says which matmul outputs a selective layer keeps: `matmuls` every one; `alternate_matmuls`
+is torchtitan's op-level SAC (what its benchmarks' selective runs ran): a count of the layer's linear matmuls,
+fresh for each forward of the layer and counted again in its recompute, keeps the first, third, ... and
+recomputes the second, fourth, ... (torchtitan's `mm_count % 2 == 0`). In a Llama layer that keeps q, v, gate and
+down and recomputes k, o and up: less memory for part of the layer's forward matmuls run again. Attention and
+collectives stay kept. models/activations.py `kept_matmul` is the rule; the planner counts with it too.
+
 `parallelize` applies it after tensor parallelism and before FSDP: the wrapper then recomputes the layer's
 TP collectives too under full recompute (MindSpore's mp_comm_recompute), and FSDP's per-layer unit contains the
 wrapper, so backward re-gathers (ZeRO-3) before recomputing. Parameter names gain `_checkpoint_wrapped_module.`,
@@ -37,6 +44,7 @@ from meshformer.backends.torch_private import (
     grouped_mm_op,
     tree_leaves,
 )
+from meshformer.models.activations import kept_matmul
 
 aten = torch.ops.aten
 
@@ -80,8 +88,8 @@ class _ReportingList(list):  # torch <= 2.11 appends them
         _report(value)
 
 
-def _selective_contexts(policy):
-    forward, recompute = create_selective_checkpoint_contexts(policy)
+def _selective_contexts(make_policy):
+    forward, recompute = create_selective_checkpoint_contexts(make_policy())
     storage = getattr(forward, "storage", None)
     if isinstance(storage, defaultdict) and storage is getattr(recompute, "storage", None):
         slots = {dict: _ReportingSlots, list: _ReportingList}.get(storage.default_factory)
@@ -93,6 +101,33 @@ def _selective_contexts(policy):
 def _save_matmuls(ctx, op, *args, **kwargs) -> CheckpointPolicy:
     packet = getattr(op, "overloadpacket", op)
     return CheckpointPolicy.MUST_SAVE if packet in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+# The matmuls of linears that `alternate_matmuls` counts (torchtitan counts aten.mm; a linear with a bias runs
+# addmm, an fp32 CPU linear meshformer's oneDNN op)
+LINEAR_MATMULS = {aten.mm, aten.addmm, torch.ops.meshformer.onednn_mm}
+
+
+def _alternate_matmuls():
+    """A fresh alternate_matmuls policy for one checkpointed forward (and its recompute, counted apart)."""
+    counts = {False: 0, True: 0}
+
+    def policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+        packet = getattr(op, "overloadpacket", op)
+        if packet in LINEAR_MATMULS:
+            index = counts[ctx.is_recompute]
+            counts[ctx.is_recompute] += 1
+            return (
+                CheckpointPolicy.MUST_SAVE
+                if kept_matmul("alternate_matmuls", index)
+                else CheckpointPolicy.PREFER_RECOMPUTE
+            )
+        return _save_matmuls(ctx, op, *args, **kwargs)
+
+    return policy
+
+
+_POLICY_MAKERS = {"matmuls": lambda: _save_matmuls, "alternate_matmuls": _alternate_matmuls}
 
 
 def _count(setting, stage_index: int, n_layers: int) -> int:
@@ -114,13 +149,16 @@ def selective_plan(select, stage_index: int, n_layers: int) -> tuple[int, object
     return _count(select, stage_index, n_layers), _save_matmuls
 
 
-def apply_recompute(model: nn.Module, recompute: bool | list, stage_index: int = 0, select=False) -> tuple[int, int]:
-    """Wrap the first layers of this part in (non-reentrant) checkpointing, full then selective; returns the
-    counts (full, selective)."""
+def apply_recompute(
+    model: nn.Module, recompute: bool | list, stage_index: int = 0, select=False, select_policy: str = "matmuls"
+) -> tuple[int, int]:
+    """Wrap the first layers of this part in (non-reentrant) checkpointing, full then selective (keeping what
+    `select_policy` keeps); returns the counts (full, selective)."""
     layers = model.layers
     keys = list(layers.keys())
     n_full = _count(recompute, stage_index, len(keys))
-    n_select, policy = selective_plan(select, stage_index, len(keys))
+    n_select = selective_plan(select, stage_index, len(keys))[0]
+    policy = _POLICY_MAKERS[select_policy]
     for i, key in enumerate(keys):
         if i < n_full:
             layers[key] = checkpoint_wrapper(layers[key], preserve_rng_state=False)

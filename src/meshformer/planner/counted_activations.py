@@ -6,11 +6,11 @@ dtypes, no storage) and runs one forward of a micro-batch, under autocast where 
 saves counts once, for the decoder layer running when it is first saved (after the last layer: the head), and the
 model's parameters and buffers, views of them and autocast's copies of weights are not activations (the planner
 adds the copies itself, as for every family). A second forward with every layer under parallel/recompute.py's
-selective policy counts what a selectively recomputed layer keeps (the kept outputs reported to KEPT_LISTENERS
-plus the layer input the checkpoint saves); a fully recomputed layer keeps its input. An `MoEBlock` (models/moe/)
-cannot run its routed experts on fake tensors (how many rows each expert gets is data), so a stand-in runs its
-router and shared experts and adds the routed experts' bytes in closed form (models/moe/activations.py); the rest
-of the layer, its attention whatever the family, is counted as above.
+selective policy (the run's select_recompute_policy) counts what a selectively recomputed layer keeps (the kept
+outputs reported to KEPT_LISTENERS plus the layer input the checkpoint saves); a fully recomputed layer keeps its
+input. An `MoEBlock` (models/moe/) cannot run its routed experts on fake tensors (how many rows each expert gets
+is data), so a stand-in runs its router and shared experts and adds the routed experts' bytes in closed form
+(models/moe/activations.py); the rest of the layer, its attention whatever the family, is counted as above.
 
 Tensor parallelism is not run: the layer is counted whole, and each saved tensor is cut by the style of the
 innermost module of the tensor-parallel plan it was saved in (parallel/tp.py's styles, as Megatron's layout
@@ -154,7 +154,7 @@ def _count(mc, piece, shape: ActivationShape, grad_in: bool, styles: dict[str, s
 
     model = copy.deepcopy(piece)  # on the meta device: free; the planner's piece stays as it is
     if selective:
-        apply_recompute(model, False, 0, True)
+        apply_recompute(model, False, 0, True, select_policy=shape.select_policy)
     layer_keys = {id(m): k for k, m in model.layers.items()}
     residual = DTYPE[mc.compute_dtype] if shape.residual == shape.compute else DTYPE[mc.param_init_type]
     with fake_tensor_mode()(allow_non_fake_inputs=True):

@@ -9,13 +9,35 @@ from meshformer.config.schema import MeshformerConfig
 
 def recompute_share(cfg: MeshformerConfig) -> float:
     """Share of decoder layers whose forward runs twice."""
-    rc = cfg.recompute_config.recompute
+    return _layer_share(cfg, cfg.recompute_config.recompute)
+
+
+def _layer_share(cfg: MeshformerConfig, setting) -> float:
+    """Share of decoder layers a recompute setting covers (true, per-stage counts, MindSpore's select dict)."""
     layers = cfg.model.model_config.num_layers
-    if rc is True:
+    if isinstance(setting, dict):
+        return max((_layer_share(cfg, v) for v in setting.values()), default=0.0)
+    if setting is True:
         return 1.0
-    if isinstance(rc, list):
-        return min(1.0, sum(rc) * cfg.parallel_config.pipeline_stage / max(1, layers) / max(1, len(rc)))
+    if isinstance(setting, list):
+        return min(1.0, sum(setting) * cfg.parallel_config.pipeline_stage / max(1, layers) / max(1, len(setting)))
     return 0.0
+
+
+def selective_recompute_flops_per_token(cfg: MeshformerConfig) -> float:
+    """Forward FLOPs per token that selective recompute runs again in backward: the linears' matmuls whose
+    outputs select_recompute_policy does not keep (none under `matmuls`), in a decoder layer's order (q, k, v, o,
+    gate, up, down), over the selectively (not fully) recomputed layers. The element-wise work it recomputes is
+    the step efficiency's (planner/accelerators.py)."""
+    from meshformer.models.activations import kept_matmul
+
+    rc, mc = cfg.recompute_config, cfg.model.model_config
+    share = max(0.0, _layer_share(cfg, rc.select_recompute) - recompute_share(cfg))
+    h, f = mc.hidden_size, mc.ffn_hidden_size
+    q, kv = mc.num_heads * mc.dim_per_head, mc.num_kv_heads * mc.dim_per_head
+    linears = [(h, q), (h, kv), (h, kv), (q, h), (h, f), (h, f), (f, h)]
+    dropped = sum(i * o for n, (i, o) in enumerate(linears) if not kept_matmul(rc.select_recompute_policy, n))
+    return 2 * dropped * mc.num_layers * share
 
 
 def prepass_share(cfg: MeshformerConfig) -> float:

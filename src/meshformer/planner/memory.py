@@ -235,6 +235,7 @@ def _regime(cfg: MeshformerConfig, dims: ParallelDims, micro_batch: int) -> _Reg
         autocast,
         dims.ep,
         expert_copies=autocast and not experts_gathered_low,
+        select_policy=cfg.recompute_config.select_recompute_policy,
     )
     layer_input = T * mc.hidden_size * residual // (tp if sp else 1)
     return _Regime(shape, T, layer_input, dt["compute"], autocast and not gathered_low)

@@ -5,8 +5,9 @@ FLOPs per token = 6 x the parameters that do a matmul per token (all but the inp
 projection, tied or not; of an MoE model only the active ones, top-k routed experts) + 12 x layers x heads x
 head_dim x seq_length (the family's `attention_cost`: latent attention's q/k and v heads have widths of their own;
 PaLM / torchtitan: the causal attention term is not halved). Recompute adds one forward (2/6 of the layer FLOPs) to
-the hardware's work but not to the model's, so it lowers throughput, not MFU's numerator; so does the global-batch
-balancing loss's routing pre-pass (one forward of the whole model per step).
+the hardware's work but not to the model's, so it lowers throughput, not MFU's numerator; so do the matmuls
+selective recompute's `alternate_matmuls` policy runs again (planner/extra_work.py) and the global-batch balancing
+loss's routing pre-pass (one forward of the whole model per step).
 
 Communication per rank and step (ring collectives move 2(n-1)/n of the buffer for an all-reduce, (n-1)/n for an
 all-gather or reduce-scatter):
@@ -41,7 +42,7 @@ from meshformer.parallel.batch_plan import BatchPlan
 from meshformer.parallel.dims import ParallelDims
 from meshformer.planner.accelerators import Accelerator
 from meshformer.planner.experts import expert_figures
-from meshformer.planner.extra_work import prepass_share, recompute_share
+from meshformer.planner.extra_work import prepass_share, recompute_share, selective_recompute_flops_per_token
 from meshformer.planner.fp8 import fp8_figures
 
 
@@ -133,6 +134,7 @@ def predict(
     model_flops = fpt * tokens
     layer_share = 1 - 6 * mc.vocab_size * mc.hidden_size * (0 if mc.tie_word_embeddings else 1) / max(fpt, 1)
     hardware = model_flops * (1 + recompute_share(cfg) * layer_share / 3 + prepass_share(cfg))
+    hardware += selective_recompute_flops_per_token(cfg) * tokens
     world = dims.world_size
     compiled = planned_compiled(cfg, dims, acc)
     efficiency = step_efficiency(cfg, acc, peak, compiled)

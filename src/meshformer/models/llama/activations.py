@@ -11,7 +11,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from meshformer.config.schema import ModelConfig
-from meshformer.models.activations import ActivationShape, HeadActivations, LayerActivations, PieceActivations
+from meshformer.models.activations import (
+    ActivationShape,
+    HeadActivations,
+    LayerActivations,
+    PieceActivations,
+    kept_matmul,
+)
 
 
 @dataclass
@@ -139,21 +145,41 @@ def split_backward_kept_bytes(
 
 
 def selective_layer_bytes(
-    mc: ModelConfig, tokens: int, tp: int, sp: bool, a: int, residual: int, lora: dict | None = None
+    mc: ModelConfig,
+    tokens: int,
+    tp: int,
+    sp: bool,
+    a: int,
+    residual: int,
+    lora: dict | None = None,
+    policy: str = "matmuls",
 ) -> int:
-    """Bytes a selectively recomputed layer keeps (parallel/recompute.py's policy): its input, every matmul's
-    output, attention's output and log-sum-exp, and the outputs of tensor-parallel collectives."""
-    T, h, f = tokens, mc.hidden_size, mc.ffn_hidden_size
-    q, kv = mc.num_heads * mc.dim_per_head, mc.num_kv_heads * mc.dim_per_head
+    """Bytes a selectively recomputed layer keeps (parallel/recompute.py's policy): its input, the matmul outputs
+    `policy` keeps (counted in the order the layer runs them), attention's output and log-sum-exp, and the outputs
+    of tensor-parallel collectives."""
+    T, h, q = tokens, mc.hidden_size, mc.num_heads * mc.dim_per_head
     total = T * h * residual // (tp if sp else 1)  # the layer's input
-    total += (T * (q + 2 * kv) + 2 * T * f) * a // tp + 2 * T * h * a  # q, k, v, gate, up; o and down (partial)
+    matmuls = [T * w * a for w in _matmul_widths(mc, tp, lora)]
+    total += sum(b for i, b in enumerate(matmuls) if kept_matmul(policy, i))
     total += T * q * a // tp + 4 * T * mc.num_heads // tp  # attention output, log-sum-exp
     if tp > 1:  # all-gathers before attention and MLP + reduce-scatters after (SP), or two all-reduces
         # SP gathers the norms' outputs, in the residual stream's dtype: autocast casts them later, in the linears
         total += (2 * T * h * residual + 2 * T * h * a // tp) if sp else 2 * T * h * a
-    outs = {"q": q // tp, "k": kv // tp, "v": kv // tp, "o": h, "gate": f // tp, "up": f // tp, "down": h}
-    total += sum(T * r * a + T * outs[name] * a for name, r in (lora or {}).items())  # LoRA A and B outputs
     return total
+
+
+def _matmul_widths(mc: ModelConfig, tp: int, lora: dict | None) -> list[int]:
+    """Output width of each matmul of a layer on one rank, in forward order: q, k, v, o, gate, up, down (o and
+    down whole: partial sums before their reduction), each LoRA linear's A and B right after its base."""
+    h, f = mc.hidden_size, mc.ffn_hidden_size
+    q, kv = mc.num_heads * mc.dim_per_head, mc.num_kv_heads * mc.dim_per_head
+    outs = {"q": q // tp, "k": kv // tp, "v": kv // tp, "o": h, "gate": f // tp, "up": f // tp, "down": h}
+    widths = []
+    for name, width in outs.items():
+        widths.append(width)
+        if name in (lora or {}):
+            widths += [lora[name], width]
+    return widths
 
 
 class LlamaActivations:
@@ -177,7 +203,9 @@ class LlamaActivations:
                 saved=saved,
                 grad_out=grad_out,
                 full_recompute=layer_input if grad or grad_out else 0,
-                selective=selective_layer_bytes(mc, T, tp, sp, shape.compute, shape.residual, g.lora),
+                selective=selective_layer_bytes(
+                    mc, T, tp, sp, shape.compute, shape.residual, g.lora, shape.select_policy
+                ),
                 after_w=split_backward_kept_bytes(mc, T, tp, sp, dt, g, grad, not last_sender),
             )
             grad = grad_out
