@@ -1,5 +1,5 @@
 """A preference run the step does not compute yet is refused in one line, exit 2, before anything is written:
-ORPO and `reference: precomputed` (their losses exist, the step does not feed them; KTO alike)."""
+ORPO (its loss exists, the step does not feed it; KTO alike)."""
 
 from __future__ import annotations
 
@@ -27,10 +27,6 @@ def pairs(tiny_dataset, tmp_path_factory):
     "extra, needles",
     [
         ({"preference_config.method": "orpo"}, ("preference_config.method=orpo", "not built yet", "dpo or simpo")),
-        (
-            {"preference_config.method": "dpo", "preference_config.reference": "precomputed"},
-            ("reference=precomputed", "not built yet", "copy"),
-        ),
     ],
 )
 def test_what_the_step_does_not_compute_is_refused(pairs, tmp_path, capsys, extra, needles):

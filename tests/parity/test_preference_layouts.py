@@ -2,9 +2,10 @@
 types at once (sigmoid, ipo, sft: per-pair terms, per-length terms and a token mean) against a frozen copy of the
 starting weights, at dp2 (with accumulation), FSDP, tp2 (with sequence parallelism and accumulation), cp2 (each
 pair's log-probs summed over the ranks, with accumulation), ep2 on the MoE model, and LoRA against the adapters-off
-reference at dp2 and tp2; SimPO (no reference) at dp2 and pp2 (1F1B). Loss, gradient norm, TRL's rewards and
-log-probs of every step and the validation loss within 1e-5 relative (fp32). All cases in ONE 2-process launch
-(tests/dist/preference_worker.py)."""
+reference at dp2 and tp2; SimPO (no reference) at dp2 and pp2 (1F1B); `reference: precomputed` (each rank reading
+its own pairs' stored log-probs) at dp2 and tp2, and in one process equal to the frozen copy. Loss, gradient norm,
+TRL's rewards and log-probs of every step and the validation loss within 1e-5 relative (fp32). All cases in ONE
+2-process launch (tests/dist/preference_worker.py)."""
 
 from __future__ import annotations
 
@@ -33,6 +34,8 @@ SPECS = [
     "tp2:dpo_lora",
     "dp2:simpo",
     "pp2_1f1b:simpo",
+    "dp2:dpo_pre",
+    "tp2:dpo_pre",
 ]
 
 
@@ -75,3 +78,6 @@ def test_every_layout_equals_one_process(results):
     dpo = reference["dpo"]
     assert all(len(step) == 2 + len(harness.PREFERENCE_METRICS) for step in dpo[:-1])  # the metrics are there
     assert dpo[0][2] == 0.0 and dpo[-2][2] != 0.0  # rewards/chosen: zero at the start, then the policy moves
+    # reference: precomputed (the log-probs of one pass before step 1) trains as the frozen copy does
+    for step, (mine, ref) in enumerate(zip(reference["dpo_pre"], dpo), 1):
+        assert len(mine) == len(ref) and not _differences(mine, ref, step > harness.STEPS, "dpo"), (step, mine, ref)
