@@ -14,7 +14,7 @@ import json
 import pytest
 from safetensors import safe_open
 
-from conftest import EMPTY, LORA, fails, preference_run_dir, tiny_overrides
+from conftest import EMPTY, LORA, dpo_overrides, fails, preference_run_dir
 from meshformer.cli.train_cmd import run_training  # load_checkpoint: a Hugging Face directory
 from meshformer.config import load_config
 from meshformer.train import precomputed_reference
@@ -39,17 +39,9 @@ def setup(tiny_dataset, tmp_path_factory):
 
 
 def overrides(root, out, extra: dict) -> list[str]:
-    extra = {
-        "load_checkpoint": str(root / "hf"),
-        "train_dataset.data_loader.type": "PreferenceDataset",
-        "train_dataset.batch_size": 2,
-        "model.model_config.rms_norm_eps": 1e-5,
-        "preference_config.method": "dpo",
-        "preference_config.loss_type": "[sigmoid, sft]",
-        "lr_schedule.total_steps": 6,
-        **extra,
-    }
-    return tiny_overrides(root / "data", out, extra)
+    return dpo_overrides(
+        root, out, {"preference_config.loss_type": "[sigmoid, sft]", "lr_schedule.total_steps": 6, **extra}
+    )
 
 
 def train(root, out, extra: dict) -> list[dict]:
