@@ -121,6 +121,19 @@ def save_hf_model(
     return model
 
 
+def dpo_overrides(root: Path, out: Path, extra: dict) -> list[str]:
+    """Overrides of a tiny DPO run on preference_run_dir(root)'s pairs, starting from its Hugging Face model."""
+    extra = {
+        "load_checkpoint": str(root / "hf"),
+        "train_dataset.data_loader.type": "PreferenceDataset",
+        "train_dataset.batch_size": 2,
+        "model.model_config.rms_norm_eps": 1e-5,
+        "preference_config.method": "dpo",
+        **extra,
+    }
+    return tiny_overrides(root / "data", out, extra)
+
+
 def preference_run_dir(root: Path, tokenizer_dir: Path, records: list[dict], val_fraction: float) -> Path:
     """root with a transformers-made tiny Llama (`hf`, TINY_HF_LLAMA) and `records` preprocessed as preference
     pairs (`data`); returns root."""

@@ -1,17 +1,31 @@
 """A DPO run end to end through the trainer: it resumes exactly (the reference comes back at the starting weights,
 from load_checkpoint), and validation reports TRL's metrics over the validation pairs (eval_rewards/..., the
-preference eval_loss), and with LoRA `reference: adapter` trains as `reference: copy` does."""
+preference eval_loss), and with LoRA `reference: adapter` trains as `reference: copy` does.
+
+`reference: precomputed`: the log-probs computed once before step 1 give the run a frozen copy gives (training and
+validation metrics within 1e-5), are stored with the run (safetensors, checksummed), are read back on a resume
+instead of computed again (the resumed run equals the uninterrupted one exactly), and are refused in one line
+(exit 2, the file kept) when the data is not the one they were computed on, or missing."""
 
 from __future__ import annotations
 
 import json
 
 import pytest
+from safetensors import safe_open
 
-from conftest import LORA, preference_run_dir, tiny_overrides
+from conftest import EMPTY, LORA, dpo_overrides, fails, preference_run_dir
 from meshformer.cli.train_cmd import run_training  # load_checkpoint: a Hugging Face directory
 from meshformer.config import load_config
+from meshformer.train import precomputed_reference
 
+# three loss types (a per-pair term, a per-length term, a token mean) and validation every two steps
+PRE = {
+    "preference_config.loss_type": "[sigmoid, ipo, sft]",
+    "preference_config.loss_weights": "[1.0, 0.5, 0.2]",
+    "lr_schedule.total_steps": 4,
+    "eval_config.eval_interval": 2,
+}
 WORDS = ["king", "queen", "night", "light", "sword", "crown", "storm", "rose"]
 RECORDS = [
     {"prompt": f"The {a} and the", "chosen": f" {b} of the realm", "rejected": f" {c}"}
@@ -24,18 +38,14 @@ def setup(tiny_dataset, tmp_path_factory):
     return preference_run_dir(tmp_path_factory.mktemp("dpo"), tiny_dataset.parent / "tok", RECORDS, 0.25)
 
 
+def overrides(root, out, extra: dict) -> list[str]:
+    return dpo_overrides(
+        root, out, {"preference_config.loss_type": "[sigmoid, sft]", "lr_schedule.total_steps": 6, **extra}
+    )
+
+
 def train(root, out, extra: dict) -> list[dict]:
-    extra = {
-        "load_checkpoint": str(root / "hf"),
-        "train_dataset.data_loader.type": "PreferenceDataset",
-        "train_dataset.batch_size": 2,
-        "model.model_config.rms_norm_eps": 1e-5,
-        "preference_config.method": "dpo",
-        "preference_config.loss_type": "[sigmoid, sft]",
-        "lr_schedule.total_steps": 6,
-        **extra,
-    }
-    run_training(load_config(None, tiny_overrides(root / "data", out, extra)))
+    run_training(load_config(None, overrides(root, out, extra)))
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
@@ -73,3 +83,62 @@ def test_lora_adapter_reference_equals_a_frozen_copy(setup, tmp_path):
         for key in ("loss", "grad_norm", "rewards/margins", "logps/chosen"):
             assert abs(a[key] - b[key]) <= 1e-6 * max(1.0, abs(b[key])), (a["step"], key, a[key], b[key])
     assert adapter[-1]["rewards/margins"] != 0.0  # the adapters moved the policy away from the reference
+
+
+KEYS = ("loss", "grad_norm", "rewards/chosen", "rewards/margins", "rewards/accuracies", "logps/chosen")
+
+
+def close(a: float, b: float) -> bool:
+    return abs(a - b) <= 1e-5 * max(1.0, abs(b))
+
+
+def test_precomputed_equals_a_frozen_copy_and_resumes_without_recomputing(setup, tmp_path, monkeypatch):
+    pre = {**PRE, "preference_config.reference": "precomputed"}
+    copy = train(setup, tmp_path / "copy", {**PRE, "runner_config.stop_step": 4})
+    full = train(setup, tmp_path / "full", {**pre, "runner_config.stop_step": 4})
+    assert [r["step"] for r in full] == [1, 2, 3, 4]
+    for a, b in zip(full, copy):
+        for key in (*KEYS, *(f"eval_{k}" for k in KEYS[2:]), "eval_loss"):
+            if key in b:
+                assert close(a[key], b[key]), (a["step"], key, a[key], b[key])
+    assert copy[-1]["rewards/margins"] != 0.0 and "eval_loss" in full[-1]  # the policy moved; validation ran
+
+    stored = tmp_path / "full" / precomputed_reference.FILE
+    with safe_open(str(stored), "pt") as f:
+        assert set(f.keys()) == {"train", "validation"} and set(f.metadata()) == {"train", "validation"}
+        assert f.get_tensor("train").shape[1] == 2 and bool((f.get_tensor("train") < 0).all())
+
+    part = tmp_path / "part"
+    train(setup, part, {**pre, "runner_config.stop_step": 2})
+
+    def recompute(*args, **kwargs):
+        raise AssertionError("a resumed run computed the reference again")
+
+    monkeypatch.setattr(precomputed_reference, "compute_table", recompute)
+    resumed = train(setup, part, {**pre, "runner_config.stop_step": 4, "resume_training": True, "load_checkpoint": ""})
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4]
+    for a, b in zip(full, resumed):
+        for key in (*KEYS, "eval_loss", "eval_rewards/margins"):
+            if key in a:
+                assert a[key] == b[key], (a["step"], key, a[key], b[key])
+
+
+def test_stored_log_probs_of_other_data_are_refused(setup, tmp_path, capsys):
+    out = tmp_path / "run"
+    pre = {**PRE, "preference_config.reference": "precomputed", "runner_config.stop_step": 2}
+    train(setup, out, pre)
+    stored = out / precomputed_reference.FILE
+    with safe_open(str(stored), "pt") as f:
+        tables, sums = {k: f.get_tensor(k) for k in f.keys()}, f.metadata()
+    sums["train"] = sums["train"].replace('"fingerprint": "', '"fingerprint": "0')  # as if computed on other pairs
+    precomputed_reference.save_tables(out, tables, sums)
+    before = stored.read_bytes()
+    args = [
+        "train",
+        EMPTY,
+        *overrides(setup, out, {**pre, "runner_config.stop_step": 3, "resume_training": True, "load_checkpoint": ""}),
+    ]
+    fails(capsys, args, "preference_config.reference=precomputed", "other train data", "new run")
+    assert stored.read_bytes() == before  # nothing lost
+    stored.unlink()
+    fails(capsys, args, "preference_config.reference=precomputed", "is missing", "new run")

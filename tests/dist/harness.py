@@ -25,6 +25,7 @@ from meshformer.train.loss_scale import LossScaler
 from meshformer.train.memory import MemoryMeter
 from meshformer.train.moe_balance import MoeBalanceHook
 from meshformer.train.optim import Optimizers, Schedule
+from meshformer.train.precomputed_reference import PrecomputedReference, reference_table
 from meshformer.train.step import build_parts, build_reference, clip_threshold, evaluate, train_step
 
 STEPS = 5
@@ -447,6 +448,8 @@ PREFERENCE_VARIANTS["dpo_moe"] = {**VARIANTS["moe"], **PREFERENCE_VARIANTS["dpo"
 PREFERENCE_VARIANTS["simpo"] = {"preference_config.method": "simpo", "preference_config.beta": 2.0}
 # DPO under bf16 autocast (tests/parity/test_preference_layouts.py BF16_RTOL)
 PREFERENCE_VARIANTS["dpo_bf16"] = {**PREFERENCE_VARIANTS["dpo"], **VARIANTS["bf16"]}
+# DPO against log-probs computed once before step 1 (train/precomputed_reference.py): the run `dpo` is
+PREFERENCE_VARIANTS["dpo_pre"] = {**PREFERENCE_VARIANTS["dpo"], "preference_config.reference": "precomputed"}
 # what a preference step adds to each step's record (TRL's names)
 PREFERENCE_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "logps/chosen", "logps/rejected")
 # Distillation (tests/parity/test_distill_layouts.py): the JSD over the teacher's top 16 tokens at temperature 1.5,
@@ -533,6 +536,8 @@ def run(cfg, env, n_micro: int, transforms=None, packed: bool = False) -> tuple[
         objective.reference = build_reference(cfg, env, built.parts)
         if objective.reference is not None:
             objective.reference.copy_weights_from(built.parts)
+        elif cfg.preference_config.reference_kind() == "precomputed":
+            objective.reference = precomputed_tables(built.parts, objective, cfg, env, n_micro, packed)
     opt = Optimizers(built.parts.parts, cfg)
     meter = MemoryMeter(env, built.parts, opt)
     memory = {}
@@ -549,6 +554,30 @@ def run(cfg, env, n_micro: int, transforms=None, packed: bool = False) -> tuple[
     if biases:  # MoE routing biases after the last update, by layer (each pipeline stage has its own)
         memory["router_biases"] = biases
     return out + [(evaluate_first(built.parts, cfg, env, n_micro, packed, objective), 0.0)], memory
+
+
+def precomputed_tables(parts, objective, cfg, env, n_micro: int, packed: bool) -> PrecomputedReference:
+    """`reference: precomputed` on the fixed batches: pair p is rows 2k, 2k+1 of step p // (GLOBAL_BATCH / 2)'s
+    global batch, k = p % (GLOBAL_BATCH / 2); the table comes from the trainer's pass (reference_table), each
+    data-parallel rank computing a share, one forward per training micro-batch of pairs."""
+    inputs, labels, documents = batches(packed)
+    per_step = GLOBAL_BATCH // 2
+
+    def read(ids: torch.Tensor):
+        steps = (ids // per_step).repeat_interleave(2)
+        rows = torch.stack([2 * (ids % per_step), 2 * (ids % per_step) + 1], 1).flatten()
+        return inputs[steps, rows], labels[steps, rows], None if documents is None else documents[steps, rows]
+
+    lora = cfg.model.model_config.pet_config.pet_type == "lora"
+    pairs_per_forward = GLOBAL_BATCH // env.dp_size // n_micro // 2
+    table = reference_table(parts, objective, lora, STEPS * per_step, pairs_per_forward, read)
+    return PrecomputedReference({"train": table, "validation": table}, {})
+
+
+def pair_ids(env, step: int) -> torch.Tensor:
+    """The sample indices of this data-parallel rank's pairs of `step` (precomputed_tables' numbering)."""
+    rows = rows_of(env)
+    return step * (GLOBAL_BATCH // 2) + torch.arange(rows.start // 2, rows.stop // 2)
 
 
 def router_biases(parts) -> dict[str, list[float]]:
@@ -585,21 +614,12 @@ def train_steps(
     for step in steps:
         schedule.apply(step)
         docs = None if documents is None else documents[step, rows].to(env.device)
-        r = train_step(
-            parts,
-            opt,
-            env,
-            inputs[step, rows].to(env.device),
-            labels[step, rows].to(env.device),
-            n_micro=n_micro,
-            ignore_index=cfg.model.model_config.ignore_token_id,
-            max_grad_norm=clip_threshold(cfg),
-            documents=docs,
-            hooks=list(hooks),
-            step=step + 1,
-            loss_scale=scaler.scale,
-            objective=objective,
-        )
+        if isinstance(getattr(objective, "reference", None), PrecomputedReference):
+            objective.reference.select("train", pair_ids(env, step))
+        r = train_step(parts, opt, env, inputs[step, rows].to(env.device), labels[step, rows].to(env.device),
+                       n_micro=n_micro, ignore_index=cfg.model.model_config.ignore_token_id,
+                       max_grad_norm=clip_threshold(cfg), documents=docs, hooks=list(hooks), step=step + 1,
+                       loss_scale=scaler.scale, objective=objective)
         scaler.update(not r.skipped)
         preference = [r.metrics[k] for k in (*PREFERENCE_METRICS, *DISTILL_METRICS) if k in r.metrics]
         out.append((r.loss, r.grad_norm, *(r.aux_losses[k] for k in sorted(r.aux_losses)), *preference))
@@ -616,6 +636,8 @@ def evaluate_first(parts, cfg, env, n_micro: int, packed: bool = False, objectiv
     first = [(inputs[0, rows].to(env.device), labels[0, rows].to(env.device), docs)]
     per = GLOBAL_BATCH // env.dp_size
     if objective is not None and not isinstance(objective, DistillObjective):  # distillation validates on tokens
+        if isinstance(objective.reference, PrecomputedReference):
+            objective.reference.select("validation", pair_ids(env, 0))
         return objective.evaluate(parts, first, per // n_micro // 2)["loss"]
     return evaluate(parts, env, first, per // n_micro, cfg.model.model_config.ignore_token_id)
 

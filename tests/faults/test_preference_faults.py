@@ -1,9 +1,19 @@
 """A preference run the step does not compute yet is refused in one line, exit 2, before anything is written:
-ORPO and `reference: precomputed` (their losses exist, the step does not feed them; KTO alike)."""
+ORPO (its loss exists, the step does not feed it; KTO alike).
+
+A DPO run killed with SIGKILL mid-training resumes exactly (tests/faults/test_resilience.py does it for SFT): with
+`reference: copy` the reference comes back at the starting weights, with `reference: precomputed` its stored
+log-probs are read back; every step's loss, gradient norm and TRL metrics equal an uninterrupted run's."""
 
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 
@@ -27,10 +37,6 @@ def pairs(tiny_dataset, tmp_path_factory):
     "extra, needles",
     [
         ({"preference_config.method": "orpo"}, ("preference_config.method=orpo", "not built yet", "dpo or simpo")),
-        (
-            {"preference_config.method": "dpo", "preference_config.reference": "precomputed"},
-            ("reference=precomputed", "not built yet", "copy"),
-        ),
     ],
 )
 def test_what_the_step_does_not_compute_is_refused(pairs, tmp_path, capsys, extra, needles):
@@ -38,3 +44,58 @@ def test_what_the_step_does_not_compute_is_refused(pairs, tmp_path, capsys, extr
     extra = {"train_dataset.data_loader.type": "PreferenceDataset", "runner_config.stop_step": 1, **extra}
     fails(capsys, ["train", EMPTY, *tiny_overrides(pairs, out, extra)], *needles)
     assert not (out / "metrics.jsonl").exists() and not (out / "checkpoint").exists()
+
+
+STEPS = 12
+EVERY_STEP = "[{type: CheckpointMonitor, save_checkpoint_steps: 1, keep_checkpoint_max: 2}]"
+KEYS = ("step", "loss", "grad_norm", "rewards/chosen", "rewards/margins", "logps/rejected")
+
+
+def _start(data: Path, out: Path, reference: str, log: Path) -> subprocess.Popen:
+    extra = {
+        "train_dataset.data_loader.type": "PreferenceDataset",
+        "train_dataset.batch_size": 2,
+        "preference_config.method": "dpo",
+        "preference_config.reference": reference,
+        "runner_config.stop_step": STEPS,
+        "lr_schedule.total_steps": STEPS,
+        "resume_training": "auto",
+        "callbacks": EVERY_STEP,
+    }
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    cmd = [sys.executable, "-m", "meshformer", "train", EMPTY, *tiny_overrides(data, out, extra)]
+    with log.open("w") as stdout:
+        return subprocess.Popen(cmd, stdout=stdout, stderr=subprocess.PIPE, env=env, start_new_session=True)
+
+
+def _records(out: Path) -> list[tuple]:
+    path = out / "metrics.jsonl"
+    lines = path.read_text().splitlines() if path.exists() else []
+    return [tuple(json.loads(ln)[k] for k in KEYS) for ln in lines if ln.endswith("}")]
+
+
+@pytest.mark.parametrize("reference", ["copy", "precomputed"])
+def test_dpo_resumes_exactly_after_sigkill(pairs, tmp_path, reference):
+    whole = _start(pairs, tmp_path / "whole", reference, tmp_path / "whole.log")
+    _, err = whole.communicate(timeout=300)
+    assert whole.returncode == 0, err[-3000:]
+    want = _records(tmp_path / "whole")
+    assert len(want) == STEPS and want[-1][4] != 0.0  # the policy left the reference
+
+    out = tmp_path / "killed"
+    proc = _start(pairs, out, reference, tmp_path / "killed.log")
+    t0 = time.time()
+    while len(_records(out)) < 4 and proc.poll() is None and time.time() - t0 < 240:
+        time.sleep(0.01)
+    assert proc.poll() is None, "the run ended before the kill"
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert len(_records(out)) < STEPS and any((out / "checkpoint").glob("step_*"))
+    again = _start(pairs, out, reference, tmp_path / "again.log")
+    _, err = again.communicate(timeout=300)
+    assert again.returncode == 0, err[-3000:]
+    log = (tmp_path / "again.log").read_text()
+    assert "resumed from" in log  # not started over
+    if reference == "precomputed":
+        assert "reference log-probs read from" in log
+    assert _records(out) == want

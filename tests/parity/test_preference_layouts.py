@@ -4,8 +4,9 @@ starting weights, at dp2 (with accumulation), FSDP, tp2 (with sequence paralleli
 pair's log-probs summed over the ranks, with accumulation), ep2 on the MoE model, and LoRA against the adapters-off
 reference at dp2 and tp2; SimPO (no reference) at dp2 and pp2 (1F1B). Loss, gradient norm, TRL's rewards and
 log-probs of every step and the validation loss within 1e-5 relative (fp32); DPO under bf16 autocast at dp2 and tp2
-within BF16_RTOL of both the bf16 and the fp32 one-process runs. All cases in ONE 2-process launch
-(tests/dist/preference_worker.py)."""
+within BF16_RTOL of both the bf16 and the fp32 one-process runs; `reference: precomputed` (each rank reading its
+own pairs' stored log-probs) at dp2 and tp2, and in one process equal to the frozen copy. All cases in ONE
+2-process launch (tests/dist/preference_worker.py)."""
 
 from __future__ import annotations
 
@@ -36,6 +37,8 @@ SPECS = [
     "pp2_1f1b:simpo",
     "dp2:dpo_bf16",
     "tp2:dpo_bf16",
+    "dp2:dpo_pre",
+    "tp2:dpo_pre",
 ]
 
 # bf16 autocast (weights, gradients and optimizer states stay fp32) keeps 8 significant bits: a rounding is up to
@@ -97,3 +100,6 @@ def test_every_layout_equals_one_process(results):
     dpo = reference["dpo"]
     assert all(len(step) == 2 + len(harness.PREFERENCE_METRICS) for step in dpo[:-1])  # the metrics are there
     assert dpo[0][2] == 0.0 and dpo[-2][2] != 0.0  # rewards/chosen: zero at the start, then the policy moves
+    # reference: precomputed (the log-probs of one pass before step 1) trains as the frozen copy does
+    for step, (mine, ref) in enumerate(zip(reference["dpo_pre"], dpo), 1):
+        assert len(mine) == len(ref) and not _differences(mine, ref, step > harness.STEPS, "dpo"), (step, mine, ref)

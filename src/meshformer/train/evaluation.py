@@ -14,6 +14,7 @@ from meshformer.config.schema import MeshformerConfig
 from meshformer.parallel import ModelParts, ParallelEnv
 from meshformer.train.data import TrainingData
 from meshformer.train.early_stop import EarlyStopping
+from meshformer.train.precomputed_reference import PrecomputedReference
 from meshformer.train.preference_step import PreferenceObjective
 from meshformer.train.step import evaluate
 
@@ -56,6 +57,9 @@ class Evaluation:
         """{"loss": the validation loss} and, for a preference run, TRL's metrics over the validation pairs."""
         batches = self.data.eval_iter(self.cfg.eval_config.eval_iters)
         if self.objective is not None:
+            reference = self.objective.reference
+            if isinstance(reference, PrecomputedReference):  # each batch's stored rows, by its pairs' indices
+                batches = reference.selecting("validation", batches, self.data.eval_batches.sample_ids)
             return self.objective.evaluate(parts, batches, self.data.eval_micro_batch)
         ignore = self.cfg.model.model_config.ignore_token_id
         return {"loss": evaluate(parts, self.env, batches, self.data.eval_micro_batch, ignore)}

@@ -9,7 +9,9 @@ Where it comes from:
   - `frozen(parts)`: a model of its own (`reference: copy`), frozen; its weights are the run's starting weights
     (`copy_weights_from` the policy before the first step, or loaded as the policy's were when a run resumes);
   - `adapters_off(parts)`: the policy's own parts with every LoRA adapter off (`reference: adapter`): the base the
-    adapters started from, at no cost in memory.
+    adapters started from, at no cost in memory;
+  - `starting_weights(parts, lora)`: the policy itself before its first step (`reference: precomputed`'s one pass,
+    train/precomputed_reference.py).
 What it computes is the caller's: `map_logits` hands each micro-batch's logits to a function and returns what it
 returned (a reference's per-sequence log-probabilities; a teacher's logits).
 """
@@ -52,6 +54,12 @@ class FrozenModel:
     def adapters_off(cls, parts: ModelParts) -> FrozenModel:
         """The policy's own parts with its LoRA adapters off: the model the adapters started from."""
         return cls(parts, lambda: adapters_off(parts.parts))
+
+    @classmethod
+    def starting_weights(cls, parts: ModelParts, lora: bool) -> FrozenModel:
+        """The policy's own parts before its first step, which are the reference (`reference: precomputed`'s one
+        pass): with LoRA, its adapters off (the base they start from)."""
+        return cls(parts, (lambda: adapters_off(parts.parts)) if lora else contextlib.nullcontext)
 
     @torch.no_grad()
     def copy_weights_from(self, parts: ModelParts) -> None:

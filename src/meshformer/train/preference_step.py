@@ -31,6 +31,8 @@ from meshformer.dtypes import DTYPE
 from meshformer.errors import UserError
 from meshformer.parallel import ParallelEnv
 from meshformer.parallel.context_parallel import local_sequence
+from meshformer.train.frozen_model import FrozenModel
+from meshformer.train.precomputed_reference import PrecomputedReference
 from meshformer.train.preference_loss import dpo_loss, simpo_loss
 
 PAIRED_METHODS = ("dpo", "orpo", "simpo")
@@ -76,7 +78,8 @@ class PreferenceObjective:
         self.pair_kinds = [(k, float(w)) for k, w in zip(kinds, weights) if k != "sft"]
         self.sft_weight = pc.sft_weight + sum(float(w) for k, w in zip(kinds, weights) if k == "sft")
         self.average = pc.method in ("orpo", "simpo")  # their log-probs are per-token means
-        self.reference = None  # FrozenModel (train/frozen_model.py), set by whoever built it; None: reference-free
+        # FrozenModel (train/frozen_model.py) or PrecomputedReference, set by whoever built it; None: reference-free
+        self.reference = None
         self.token_unit: torch.Tensor | float = 0.0
         self.records: list[torch.Tensor] = []
 
@@ -89,14 +92,12 @@ class PreferenceObjective:
         env = self.env
         targets = torch.empty((labels.shape[0], labels.shape[1] + 1), dtype=torch.float64, device=labels.device)
         targets[:, :-1] = labels
-        if self.reference is not None:
-            chunks = labels.chunk(n_micro)
-
-            def reference_logps(logits: torch.Tensor, i: int) -> torch.Tensor:
-                return row_logps(logits, chunks[i], self.ignore, self.dtype)
-
-            got = self.reference.map_logits(inputs, documents, n_micro, reference_logps)
-            targets[:, -1] = self._cp_sum(torch.cat(got).double(), grad=False)
+        if isinstance(self.reference, PrecomputedReference):  # stored full-row sums: no cp sum
+            targets[:, -1] = self.reference.rows(labels.shape[0], labels.device)
+        elif self.reference is not None:
+            targets[:, -1] = self.reference_rows(self.reference, inputs, labels, documents, n_micro)
+        elif self.pc.reference_kind() != "none":
+            raise RuntimeError(f"preference_config.reference={self.pc.reference_kind()}: no reference was set")
         else:
             targets[:, -1] = 0
         pairs = torch.tensor(labels.shape[0] // 2 * env.mesh_size("batch"), dtype=torch.float64, device=labels.device)
@@ -105,6 +106,19 @@ class PreferenceObjective:
             self.token_unit = (pairs / env.reduce_sum(chosen, "loss").clamp(min=1)).float()
         self.records = []
         return targets, pairs
+
+    def reference_rows(
+        self, frozen: FrozenModel, inputs: torch.Tensor, labels: torch.Tensor, documents, n_micro: int
+    ) -> torch.Tensor:
+        """[rows] float64: the frozen model's summed log-probability of each row's completion (this rank's rows,
+        already cut to its cp tokens; the sums cover the whole row), forward only, micro-batch by micro-batch."""
+        chunks = labels.chunk(n_micro)
+
+        def reference_logps(logits: torch.Tensor, i: int) -> torch.Tensor:
+            return row_logps(logits, chunks[i], self.ignore, self.dtype)
+
+        got = frozen.map_logits(inputs, documents, n_micro, reference_logps)
+        return self._cp_sum(torch.cat(got).double(), grad=False)
 
     # ---- per micro-batch -------------------------------------------------------------------------------
     def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

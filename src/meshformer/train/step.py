@@ -103,16 +103,16 @@ def build_parts(
 
 
 def build_reference(cfg: MeshformerConfig, env: ParallelEnv, parts: ModelParts) -> FrozenModel | None:
-    """The frozen reference `preference_config.reference` names, beside the policy's `parts` (None: reference-free):
-    a copy built exactly as the policy (`copy`), or the policy with its LoRA adapters off (`adapter`)."""
+    """The frozen reference `preference_config.reference` names, beside the policy's `parts` (None: reference-free
+    or precomputed): a copy built exactly as the policy (`copy`), or the policy with its LoRA adapters off
+    (`adapter`)."""
     check_built(cfg)
     kind = cfg.preference_config.reference_kind()
     if kind == "copy":
         return FrozenModel.frozen(build_parts(cfg, env).parts)
     if kind == "adapter":
         return FrozenModel.adapters_off(parts)
-    if kind == "precomputed":
-        raise UserError("preference_config.reference=precomputed: not built yet: use copy, or adapter with LoRA")
+    # precomputed: no model at all; the trainer computes the table before step 1 (train/precomputed_reference.py)
     return None
 
 

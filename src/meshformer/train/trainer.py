@@ -43,6 +43,7 @@ from meshformer.train.hooks import Hooks, registered_hooks
 from meshformer.train.loading import check_tokenizer, load_base_weights
 from meshformer.train.loss_scale import LossScaler
 from meshformer.train.optim import Optimizers, Schedule
+from meshformer.train.precomputed_reference import PrecomputedReference, reference_for_run
 from meshformer.train.preemption import StopRequests, stop_signals_held
 from meshformer.train.preference_step import PreferenceObjective
 from meshformer.train.progress import Progress
@@ -147,11 +148,23 @@ class Trainer:
             self._load_base_weights(Path(cfg.load_checkpoint))
         self._start_reference()
 
+    @property
+    def reference(self):
+        """A preference run's reference (train/frozen_model.py FrozenModel or a PrecomputedReference), else None."""
+        return self.objective.reference if isinstance(self.objective, PreferenceObjective) else None
+
     def _start_reference(self) -> None:
         """A `reference: copy` holds the run's starting weights: the policy's before its first step; on a resume,
         those the run started from (trainer_state.json's REFERENCE_KEY: its load_checkpoint), else the seed's
         initialisation, which the policy started from too."""
-        reference = self.objective.reference if isinstance(self.objective, PreferenceObjective) else None
+        preference = isinstance(self.objective, PreferenceObjective)
+        if preference and self.cfg.preference_config.reference_kind() == "precomputed":
+            resuming = self.resume_from is not None
+            self.objective.reference = reference_for_run(
+                self.cfg, self.data, self.parts, self.objective, resuming, self.out, self.console.log
+            )
+            return
+        reference = self.reference
         if reference is None or not reference.owns_weights:
             return
         if self.resume_from is None:
@@ -239,10 +252,12 @@ class Trainer:
         self.run_dir.set_aside_damaged()  # only now, like the move below: a damaged checkpoint is never deleted
         if self._replaces_old_run:
             self.run_dir.replace_old(self.cfg.tensorboard.tensorboard_dir)  # only now: model built and loaded
+        if isinstance(self.reference, PrecomputedReference):
+            self.reference.save(self.out, self.env)  # with the run, once it owns output_dir
         counts = (self.n_params, self.n_trainable, self.n_embedding)
         memory = self.metrics.start(self.parts, self.optimizer, counts, self.total_steps)
-        if self.objective is not None and self.objective.reference is not None:
-            memory.watch_reference(self.objective.reference)  # its weights and its forward, beside the policy's
+        if self.reference is not None and not isinstance(self.reference, PrecomputedReference):
+            memory.watch_reference(self.reference)  # its weights and its forward, beside the policy's
         hooks = Hooks([memory, *self.hooks])  # memory measurement outermost: it sees what the others add
         self.parts.train()
         with StopRequests(self.cfg.runner_config.preemption_grace_seconds, self.console.log) as stop:
@@ -292,6 +307,8 @@ class Trainer:
             t0 = clock.start
             batch_index = step + self.checkpoints.data_offset  # > step once a rollback skipped a spike's batches
             inputs, labels, documents = self.data.train_batch(batch_index)
+            if isinstance(self.reference, PrecomputedReference):
+                self.reference.select("train", self.data.batches.sample_ids(batch_index))
             clock.lap("data")
             lr = self.schedule.apply(step)
             result = train_step(
