@@ -1,6 +1,6 @@
 """The planner's second model (planner/second_model.py) against hand-computed byte counts: a preference run's
 reference (`copy`: the policy's weights again; `adapter`, `precomputed`, `none`: nothing on the device;
-`precomputed`: 8 bytes a pair on disk), the doubled rows of a pair, and a distillation teacher's weights and logits;
+`precomputed`: 16 bytes a pair on disk), the doubled rows of a pair, and a distillation teacher's weights and logits;
 then `doctor` and `plan` saying which reference makes a run fit."""
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ def test_precomputed_reference_costs_eight_bytes_a_pair_on_disk(tmp_path):
     meta = {"format": "meshformer-preference-v1", "kind": "pairs", "splits": {"train": {"samples": 1000}}}
     (d / "meta.json").write_text(json.dumps(meta))
     s = _plan({**DPO, "preference_config.reference": "precomputed", "train_dataset.data_loader.dataset_dir": d})
-    assert s.stages[0].second.disk_bytes == 1000 * 2 * 4
+    assert s.stages[0].second.disk_bytes == 1000 * 2 * 8
     assert _plan({**DPO, "preference_config.reference": "precomputed"}).stages[0].second.disk_bytes is None
 
 

@@ -171,7 +171,7 @@ def _print_second_model(console, plan, d: dict) -> None:
         parts.append(f"its no_grad forward {second['forward_bytes'] / GIB:.2f} GiB at its peak, before the policy's")
     if second["kind"] == "reference: precomputed":
         disk = second["disk_bytes"]
-        parts.append(f"{disk / GIB:.2f} GiB on disk" if disk is not None else "8 bytes a pair on disk")
+        parts.append(f"{disk / GIB:.2f} GiB on disk" if disk is not None else "16 bytes a pair on disk")
     if second["kind"]:
         console.print(f"{second['kind']}: {', '.join(parts) or 'nothing on the device'}", soft_wrap=True)
     for line in reference_findings(plan):

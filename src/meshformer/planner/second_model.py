@@ -12,8 +12,8 @@
                           log-probabilities take: T x vocab / tp x (compute + softmax + softmax bytes). The
                           policy's activations do not exist yet, so this is the step's peak beside the resident
                           states when it exceeds the policy's working memory.
-  reference: precomputed  nothing on the device; on disk, one float32 log-probability per sequence of the training
-                          split (a pair's chosen and rejected: 8 bytes a pair; KTO: 4 bytes an example and 4 for its
+  reference: precomputed  nothing on the device; on disk, one float64 log-probability per sequence of every split
+                          (a pair's chosen and rejected: 16 bytes a pair; KTO: 8 bytes an example and 8 for its
                           KL partner), stored with the run.
   reference: none         nothing (ORPO, SimPO).
   teacher                 the teacher's weights, its own model built and split under the run's layout in
@@ -38,7 +38,7 @@ from meshformer.dtypes import DTYPE
 from meshformer.parallel.dims import ParallelDims
 
 PAIR_METHODS = ("dpo", "orpo", "simpo")
-LOGPROB_BYTES = 4  # one float32 log-probability per sequence
+LOGPROB_BYTES = 8  # one float64 log-probability per sequence (train/precomputed_reference.py keeps rewards exact)
 
 
 @dataclass
@@ -119,12 +119,12 @@ def _precomputed_disk_bytes(cfg: MeshformerConfig) -> int | None:
     meta_file = Path(directory) / "meta.json"
     try:
         meta = json.loads(meta_file.read_text(encoding="utf-8")) if directory else None
-        samples = meta["splits"]["train"]["samples"]
-    except (OSError, ValueError, KeyError, TypeError):
+        samples = [split["samples"] for split in meta["splits"].values()]  # training and validation pairs
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
-    if not isinstance(samples, int):
+    if not all(isinstance(n, int) for n in samples):
         return None
-    return samples * 2 * LOGPROB_BYTES  # pairs: chosen and rejected; KTO: the example and its KL partner
+    return sum(samples) * 2 * LOGPROB_BYTES  # pairs: chosen and rejected; KTO: the example and its KL partner
 
 
 def reference_forward_bytes(cfg: MeshformerConfig, dims: ParallelDims, tokens: int, last: bool) -> int:
