@@ -6,7 +6,8 @@ task (loglikelihood, one few-shot example: the first document, since lm-eval's r
 which documents a rank holds), a perplexity task (rolling loglikelihood over texts longer than the
 model's positions, so several windows) and a generation task (stop sequences, batched, left-padded prompts).
 Every sample's answers (log-likelihoods to 1e-5, greedy flags, generated text) and every metric must equal the
-`hf` model's on the Hugging Face directory; two processes under torchrun must give what one gives.
+`hf` model's on the Hugging Face directory; two processes under torchrun must give what one gives. During
+training, eval_config.tasks under data parallel and FSDP (two processes) must log what one process logs.
 """
 
 from __future__ import annotations
