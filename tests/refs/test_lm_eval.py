@@ -6,7 +6,8 @@ task (loglikelihood, one few-shot example: the first document, since lm-eval's r
 which documents a rank holds), a perplexity task (rolling loglikelihood over texts longer than the
 model's positions, so several windows) and a generation task (stop sequences, batched, left-padded prompts).
 Every sample's answers (log-likelihoods to 1e-5, greedy flags, generated text) and every metric must equal the
-`hf` model's on the Hugging Face directory; two processes under torchrun must give what one gives.
+`hf` model's on the Hugging Face directory; two processes under torchrun must give what one gives. During
+training, eval_config.tasks under data parallel and FSDP (two processes) must log what one process logs.
 """
 
 from __future__ import annotations
@@ -212,11 +213,8 @@ def test_bad_input_is_one_line_exit_2(bench, tmp_path, capsys, monkeypatch):
     long = tmp_path / "long" / "long.yaml"  # asks for more new tokens than the model has positions
     long.write_text(f"task: tiny_long\n{SOURCE.format(data=tasks, name='tiny_gen')}{TASK_YAML['tiny_gen']}")
     long.write_text(long.read_text().replace("max_gen_toks: 10", "max_gen_toks: 64"))
-    # Found once lm-eval has built the requests, after its own notes on the task: the error is the last line.
-    capsys.readouterr()
-    assert main([*base, "--tasks", "tiny_long", "--include-path", str(long.parent)]) == 2
-    err = capsys.readouterr().err
-    assert "Traceback" not in err and "max_gen_toks 64" in err.splitlines()[-1] and "below 64" in err
+    # Found in the task's YAML before lm-eval builds the task (and prints its notes on it): one line.
+    fails(capsys, [*base, "--tasks", "tiny_long", "--include-path", str(long.parent)], "max_gen_toks 64", "below 64")
     monkeypatch.setitem(sys.modules, "lm_eval", None)  # as if not installed: importing it raises ImportError
     fails(capsys, [*base, "--tasks", "tiny_mc"], "not installed", "pip install 'meshformer[eval]'")
 
@@ -275,8 +273,86 @@ def test_training_refuses_tasks_it_cannot_run(tiny_dataset, task_dir, tmp_path, 
     argv = ["train", EMPTY, *tiny_overrides(tiny_dataset, tmp_path / "a", tasks)]
     fails(capsys, argv, "eval_config.tasks", "'tiny_mcq'", "closest: tiny_mc")
     fails(capsys, [*argv, "--eval_config.tasks", "[tiny_mc]", "--eval_config.limit", "0"], "eval_config.limit")
-    for degree in ("data_parallel", "model_parallel"):
-        split = {**tasks, "eval_config.tasks": "[tiny_mc]", f"parallel_config.{degree}": 2}
+    for degree in ("pipeline_stage", "model_parallel", "context_parallel"):
+        split = {
+            **tasks,
+            "eval_config.tasks": "[tiny_mc]",
+            f"parallel_config.{degree}": 2,
+            "parallel_config.micro_batch_num": 2,
+        }
         cfg = load_config(None, tiny_overrides(tiny_dataset, tmp_path / "b", split))
-        with pytest.raises(UserError, match=f"eval_config.tasks with parallel_config.{degree}=2, 2 processes"):
+        with pytest.raises(UserError, match=f"eval_config.tasks with parallel_config.{degree}=2: .* whole model"):
             validate_run(cfg, 2)
+    dp_few = {**tasks, "eval_config.tasks": "[tiny_mc]", "eval_config.limit": 1, "parallel_config.data_parallel": 2}
+    with pytest.raises(UserError, match="eval_config.limit 1 is below parallel_config.data_parallel=2"):
+        validate_run(load_config(None, tiny_overrides(tiny_dataset, tmp_path / "d", dp_few)), 2)
+    for layout in TWO_PROCESS_LAYOUTS.values():  # what the two-process parity test runs passes the checks
+        validate_run(load_config(None, tiny_overrides(tiny_dataset, tmp_path / "c", {**tasks, **layout})), 2)
+
+
+# ---- eval_config.tasks under two processes: the same task metrics as one process at the same steps -------------
+TRAINING_TASKS = {
+    "runner_config.stop_step": 2,
+    "eval_config.eval_interval": 1,
+    "eval_config.tasks": "[tiny_mc, tiny_ppl, tiny_gen]",
+    "eval_config.batch_size": 2,
+}
+# Two ranks reading 4 rows each make the one process's step of 8 rows in two accumulated micro-batches.
+TWO_PROCESS_LAYOUTS = {
+    "dp2": {"parallel_config.data_parallel": 2},
+    "fsdp2": {"parallel_config.data_parallel": 2, "parallel_config.optimizer_shard": "true"},
+}
+
+
+def task_records(out: Path) -> list[dict]:
+    """Each evaluation's step and eval/<task>/<metric> figures from metrics.jsonl."""
+    recs = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [
+        {k: v for k, v in r.items() if k == "step" or k.startswith("eval/")} for r in recs if "eval/tiny_mc/acc" in r
+    ]
+
+
+@pytest.fixture(scope="module")
+def one_process_tasks(tiny_dataset, task_dir, tmp_path_factory) -> list[dict]:
+    from conftest import tiny_overrides
+    from meshformer.config import load_config
+    from meshformer.train.trainer import run_training
+
+    out = tmp_path_factory.mktemp("tasks_one") / "run"
+    extra = {
+        **TRAINING_TASKS,
+        "eval_config.include_path": str(task_dir),
+        "runner_config.gradient_accumulation_steps": 2,
+    }
+    run_training(load_config(None, tiny_overrides(tiny_dataset, out, extra)))
+    return task_records(out)
+
+
+@pytest.mark.parametrize("layout", TWO_PROCESS_LAYOUTS)
+def test_tasks_under_two_processes_log_what_one_process_logs(
+    tiny_dataset, task_dir, one_process_tasks, layout, tmp_path
+):
+    """Data parallel and FSDP ranks split the documents (FSDP's forwards are collectives: every rank runs as many,
+    generation included) and log the one process's task metrics at each evaluation."""
+    from conftest import EMPTY, tiny_overrides
+
+    extra = {**TRAINING_TASKS, "eval_config.include_path": str(task_dir), **TWO_PROCESS_LAYOUTS[layout]}
+    argv = [*TORCHRUN, "--nproc-per-node", "2", "-m", "meshformer", "train", EMPTY]
+    env = {**torchrun_env(), "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
+    cmd = [
+        "flock",
+        "/tmp/meshformer-heavy.lock",
+        "timeout",
+        "400",
+        *argv,
+        *tiny_overrides(tiny_dataset, tmp_path, extra),
+    ]
+    run = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-3000:]
+    got = task_records(tmp_path)
+    assert [r["step"] for r in got] == [r["step"] for r in one_process_tasks] == [1, 2]
+    assert got[0]["eval/tiny_ppl/word_perplexity"] != got[1]["eval/tiny_ppl/word_perplexity"]  # it trained
+    for mine, want in zip(got, one_process_tasks):
+        assert sorted(mine) == sorted(want) and "eval/tiny_gen/exact_match" in mine
+        for key, value in want.items():
+            assert mine[key] == pytest.approx(value, rel=1e-5, abs=1e-8), (layout, key)

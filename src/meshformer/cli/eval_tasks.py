@@ -68,7 +68,7 @@ def run_tasks_cmd(args) -> int:
     from meshformer.cli.devices import device_from_flag
     from meshformer.dtypes import DTYPE
     from meshformer.interop.inference import load_for_inference
-    from meshformer.train.benchmarks import check_tasks, run_tasks, task_manager
+    from meshformer.train.benchmarks import check_generation_room, check_tasks, run_tasks, task_manager
     from meshformer.train.lm_eval_model import MeshformerLM, hf_tokenizer
 
     names = check_arguments(args)
@@ -80,6 +80,7 @@ def run_tasks_cmd(args) -> int:
     distributed = _distributed(device)
     model, cfg, _ = load_for_inference(args.checkpoint, device=str(device))
     mc = cfg.model.model_config
+    check_generation_room(manager, names, mc.max_position_embedding or mc.seq_length, "--tasks")
     ckpt = _checkpoint_dir(args.checkpoint)
     lm = MeshformerLM(
         model,
@@ -87,7 +88,7 @@ def run_tasks_cmd(args) -> int:
         max_length=mc.max_position_embedding or mc.seq_length,
         batch_size=args.batch_size,
         autocast_dtype=DTYPE[mc.compute_dtype] if mc.compute_dtype != mc.param_init_type else None,
-        distributed=distributed,
+        group=torch.distributed.group.WORLD if distributed else None,
     )
     tracker = _tracker(args.output) if args.output else None
     results = run_tasks(

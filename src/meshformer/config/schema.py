@@ -247,7 +247,8 @@ class EvalConfig:
     tasks: list = setting(
         [],
         "lm-evaluation-harness tasks run on the training model at each evaluation, logged as eval/<task>/<metric> "
-        "(pip install 'meshformer[eval]'; empty: none).",
+        "(pip install 'meshformer[eval]'; empty: none). Data-parallel ranks (FSDP too) split the documents; "
+        "pipeline, tensor, context and expert parallel runs are refused.",
     )
     include_path: str = setting("", "A folder of task YAMLs of your own for tasks, beside lm-eval's.")
     num_fewshot: int | None = setting(None, "Few-shot examples per prompt for tasks (default: each task's own).", ge=0)

@@ -199,7 +199,7 @@ def validate_run(cfg: MeshformerConfig, world_size: int | None) -> None:
             "parallel_config.optimizer_shard: true with data_parallel > 1, or cpu_offload: false"
         )
     scale_sense(cfg)  # a malformed runner_wrapper.scale_sense is one line here, before any process
-    check_benchmark_layout(cfg, world_size)
+    check_benchmark_layout(cfg)
     if mc.tie_word_embeddings and pc.pipeline_stage > 1:
         raise UserError(
             "model.model_config.tie_word_embeddings=true cannot be split by pipeline_stage="
@@ -220,27 +220,33 @@ def validate_run(cfg: MeshformerConfig, world_size: int | None) -> None:
         )
 
 
-def check_benchmark_layout(cfg: MeshformerConfig, world_size: int | None) -> None:
-    """eval_config.tasks runs lm-eval on the training model in one process (train/benchmarks.py). Under several
-    processes every rank would have to run the same requests in step with the others through a split or sharded
-    model, which is not proven yet: refused, with the way that works (a saved checkpoint under torchrun)."""
+def check_benchmark_layout(cfg: MeshformerConfig) -> None:
+    """eval_config.tasks runs lm-eval on the training model (train/benchmarks.py): every rank must give a batch's
+    whole logits, and generate through its KV cache, in plain forwards. Data parallel and FSDP do; a pipeline stage
+    holds a part of the model (its logits come out of a schedule over all stages), tensor parallel splits the
+    logits and the attention heads the KV cache is made for, context parallel splits each sequence and expert
+    parallel routes tokens between ranks: refused, with the ways that work."""
     pc = cfg.parallel_config
-    degrees = {
-        "data_parallel": pc.data_parallel,
-        "pipeline_stage": pc.pipeline_stage,
-        "model_parallel": pc.model_parallel,
-        "context_parallel": pc.context_parallel,
-        "expert_parallel": pc.expert_parallel,
+    why = {
+        "pipeline_stage": "each rank holds only its stages of the model",
+        "model_parallel": "the logits and the attention heads (the KV cache's) are split over ranks",
+        "context_parallel": "each sequence is split over ranks",
+        "expert_parallel": "tokens are routed to experts on other ranks",
     }
-    over = [f"parallel_config.{k}={v}" for k, v in degrees.items() if v > 1]
-    if world_size is not None and world_size > 1:
-        over.append(f"{world_size} processes")
+    over = [(k, getattr(pc, k)) for k in why if getattr(pc, k) > 1]
     if cfg.eval_config.tasks and over:
+        name, degree = over[0]
         raise UserError(
-            f"eval_config.tasks with {', '.join(over)}: lm-eval tasks run during one-process training only (ranks "
-            "running lm-eval in step through a split model are not supported yet): leave eval_config.tasks empty "
-            "and run `meshformer eval --checkpoint DIR --tasks ...` on a saved checkpoint (under torchrun it splits "
-            "the documents over ranks)"
+            f"eval_config.tasks with parallel_config.{name}={degree}: lm-eval tasks need the whole model on every "
+            f"rank, and under {name} {why[name]}: leave eval_config.tasks empty and run "
+            "`meshformer eval --checkpoint DIR --tasks ...` on a saved checkpoint (under torchrun it splits the "
+            "documents over ranks), or train with data_parallel (optimizer_shard or not) only"
+        )
+    limit = cfg.eval_config.limit
+    if cfg.eval_config.tasks and limit is not None and 1 <= limit < pc.data_parallel:
+        raise UserError(  # a rank with no document would skip the forwards the other ranks wait on
+            f"eval_config.limit {limit:g} is below parallel_config.data_parallel={pc.data_parallel}: each "
+            f"data-parallel rank scores its share of a task's documents, so give at least {pc.data_parallel}"
         )
 
 

@@ -8,8 +8,10 @@ names lm-eval knows), a task file that does not parse, a limit of 0.
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import logging
+import random
 from pathlib import Path
 
 from meshformer.errors import UserError
@@ -81,6 +83,20 @@ def check_tasks(manager, names: list[str], field: str) -> None:
         )
 
 
+def check_generation_room(manager, names: list[str], max_length: int, field: str) -> None:
+    """A task whose YAML asks for max_gen_toks >= the model's positions leaves no room for a prompt: one line
+    before lm-eval builds anything (and prints its notes on the task). A group's tasks, or a value a task takes
+    from an included file, are checked when generation starts (train/lm_eval_model.py)."""
+    for name in names:
+        cfg = getattr(manager.task_index.get(name), "cfg", None) or {}
+        new = (cfg.get("generation_kwargs") or {}).get("max_gen_toks")
+        if isinstance(new, int) and new >= max_length:
+            raise UserError(
+                f"{field}: task {name!r} asks for generation_kwargs.max_gen_toks {new}, which leaves no room for a "
+                f"prompt in the model's {max_length} positions: give the task a max_gen_toks below {max_length}"
+            )
+
+
 def run_tasks(
     lm,
     manager,
@@ -125,9 +141,13 @@ def flat_metrics(results: dict) -> dict[str, float]:
 
 
 class TrainingBenchmarks:
-    """eval_config.tasks on the training model at each evaluation (one-process runs: config/validate.py refuses
-    others), each task's metrics into the step's record. Everything a task run needs is checked when the trainer
-    starts, before the first step."""
+    """eval_config.tasks on the training model at each evaluation, each task's metrics into the step's record.
+    Everything a task run needs is checked when the trainer starts, before the first step.
+
+    Under several processes (data parallel, FSDP, tensor parallel; config/validate.py refuses the layouts whose
+    ranks do not each run the whole model) the data-parallel ranks split the documents and every rank runs as
+    many forwards as the others (train/lm_eval_model.py); lm-eval hands its results to global rank 0 only, which
+    sends the metrics to every rank, so all ranks leave the task pass together with the same record."""
 
     def __init__(self, cfg, tokenizer_bytes: bytes | None, side_files: dict[str, bytes]):
         import tempfile
@@ -151,17 +171,41 @@ class TrainingBenchmarks:
                 (Path(tmp) / name).write_bytes(data)
             self.tokenizer = hf_tokenizer(tmp)
         self.cfg, self.max_length = cfg, mc.max_position_embedding or mc.seq_length
+        check_generation_room(self.manager, list(ec.tasks), self.max_length, "eval_config.tasks")
         self.autocast = DTYPE[mc.compute_dtype] if mc.compute_dtype != mc.param_init_type else None
 
-    def run(self, parts) -> dict[str, float]:
-        """{"eval/<task>/<metric>": value} of the model as it is now."""
+    def run(self, parts, env) -> dict[str, float]:
+        """{"eval/<task>/<metric>": value} of the model as it is now, on every rank."""
         from meshformer.train.lm_eval_model import MeshformerLM
 
         ec = self.cfg.eval_config
-        lm = MeshformerLM(parts.parts[0], self.tokenizer, self.max_length, ec.batch_size, self.autocast)
+        group = env.group("dp") if env.distributed and env.dp_size > 1 else None
+        lm = MeshformerLM(parts.parts[0], self.tokenizer, self.max_length, ec.batch_size, self.autocast, group)
         parts.train(False)
         try:
-            results = run_tasks(lm, self.manager, list(ec.tasks), num_fewshot=ec.num_fewshot, limit=ec.limit)
+            with _training_rng_kept():  # lm-eval seeds the global generators; training's draws must not change
+                results = run_tasks(lm, self.manager, list(ec.tasks), num_fewshot=ec.num_fewshot, limit=ec.limit)
         finally:
             parts.train(True)
-        return flat_metrics(results)
+        metrics = flat_metrics(results) if results is not None else {}
+        if env.distributed:
+            import torch.distributed as dist
+
+            sent = [metrics]
+            dist.broadcast_object_list(sent, src=0)
+            metrics = sent[0]
+        return metrics
+
+
+@contextlib.contextmanager
+def _training_rng_kept():
+    """Python's, NumPy's and torch's global generators as they were, once the block ends."""
+    import numpy as np
+    import torch
+
+    py, npy = random.getstate(), np.random.get_state()
+    devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
+    with torch.random.fork_rng(devices=devices):
+        yield
+    random.setstate(py)
+    np.random.set_state(npy)

@@ -70,7 +70,7 @@ class Evaluation:
         if not self.due(done):
             return False
         if self.benchmarks is not None:
-            rec.update(self.benchmarks.run(parts))
+            rec.update(self.benchmarks.run(parts, self.env))
         if self.data.eval_ds is None:
             return False
         got = self.evaluate_with_metrics(parts)

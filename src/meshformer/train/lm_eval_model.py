@@ -6,9 +6,12 @@ padding for scoring, the continuation's log-probabilities summed in fp32), so a 
 directory scores what `hf` scores there. Generation runs models/generate.py's KV-cache loop over a left-padded
 batch and stops a row at the end-of-text token or once its text holds a stop sequence.
 
-Under several processes lm-eval hands each rank its share of the documents and gathers the results through
-`all_gather` / `gather_object` / `barrier`, which run over the default process group. lm-eval is imported by
-whoever imports this module, never at meshformer's import time.
+Under several processes (`group`: the ranks that split the documents) lm-eval hands each rank its share and gathers
+the results through `all_gather` / `gather_object` / `barrier` over that group. When the model itself is sharded
+(FSDP: every forward all-gathers parameters, a collective), every rank must run as many forwards as the others:
+each rank runs as many scoring batches as the busiest one (the extra ones on a one-token row, their answers
+dropped), and a generation batch runs until the rows of every rank are done (a rank already done runs one-token
+forwards alongside). lm-eval is imported by whoever imports this module, never at meshformer's import time.
 """
 
 from __future__ import annotations
@@ -47,7 +50,8 @@ def hf_tokenizer(directory: str | Path):
 
 class MeshformerLM(TemplateLM):
     """`model`: a causal LM (token ids [batch, seq] -> logits [batch, seq, vocab], `new_kv_cache` for generation);
-    `tokenizer`: transformers' tokenizer of its files; `max_length`: the positions it was made for."""
+    `tokenizer`: transformers' tokenizer of its files; `max_length`: the positions it was made for; `group`: the
+    process group whose ranks split the documents (None: this process runs them all)."""
 
     def __init__(
         self,
@@ -56,14 +60,15 @@ class MeshformerLM(TemplateLM):
         max_length: int,
         batch_size: int = 1,
         autocast_dtype: torch.dtype | None = None,
-        distributed: bool = False,
+        group=None,
     ):
         super().__init__()
         self.model, self.tokenizer, self._max_length = model, tokenizer, max_length
         self.batch_size, self.autocast_dtype = batch_size, autocast_dtype
         self._device = next(model.parameters()).device
-        if distributed and torch.distributed.is_initialized():
-            self._rank, self._world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
+        self._group = group
+        if group is not None:
+            self._rank, self._world_size = torch.distributed.get_rank(group), torch.distributed.get_world_size(group)
 
     # -- what lm-eval asks of a language model ------------------------------------------------------------------
     @property
@@ -117,7 +122,10 @@ class MeshformerLM(TemplateLM):
         the context left-truncated so context + continuation fit max_length + 1 tokens."""
         order = lm_utils.Collator(requests, sort_fn=lambda r: (-len(r[1] + r[2]), tuple(r[1] + r[2])))
         res = []
-        for chunk in order.get_batched(n=self.batch_size):
+        chunks = list(order.get_batched(n=self.batch_size))
+        for _ in range(self._pad_to_busiest_rank(len(chunks))):
+            self._idle_forward()
+        for chunk in chunks:
             rows = [(ctx + cont)[-(self.max_length + 1) :][:-1] for _, ctx, cont in chunk]
             logprobs = self._logprobs(rows)
             for (request, _, cont), row, lp in zip(chunk, rows, logprobs):
@@ -142,8 +150,7 @@ class MeshformerLM(TemplateLM):
             mine = [(None, *make_disjoint_window(w)) for w in parts]
             windows += mine
             counts.append(len(mine))
-        pad = self._pad_to_longest_rank(len(windows))  # every rank runs as many batches (lm-eval's hf model does)
-        scores = self._loglikelihood_tokens(windows + pad * windows[:1])[: len(windows)]
+        scores = self._loglikelihood_tokens(windows)
         out, at = [], 0
         for req, n in zip(requests, counts):
             out.append(sum(score for score, _ in scores[at : at + n]))
@@ -151,16 +158,32 @@ class MeshformerLM(TemplateLM):
             self.cache_hook.add_partial("loglikelihood_rolling", req.args, out[-1])
         return out
 
-    def _pad_to_longest_rank(self, n: int) -> int:
+    def _pad_to_busiest_rank(self, n: int) -> int:
+        """How many batches this rank runs fewer than the busiest rank (0 in one process)."""
         if self.world_size <= 1:
             return 0
         counts = self.all_gather(torch.tensor(n, device=self._device)).tolist()
         return max(counts) - n
 
+    def _idle_forward(self) -> None:
+        """A forward on one token whose result is dropped: the collectives a sharded model's forward runs, for a
+        rank with nothing left to score while others still have."""
+        with torch.no_grad(), self._autocast():
+            self.model(torch.zeros(1, 1, dtype=torch.long, device=self._device))
+
+    def _any_rank_running(self, running: bool) -> bool:
+        """Whether this rank or any other still has rows to generate (a collective over the group)."""
+        if self.world_size <= 1:
+            return running
+        flag = torch.tensor(int(running), device=self._device)
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=self._group)
+        return bool(flag.item())
+
     # -- generation ------------------------------------------------------------------------------------------------
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
         """Greedy (or sampled, when the task asks) continuations, cut before the first stop sequence; requests
-        with the same generation settings run in left-padded batches."""
+        with the same generation settings run in left-padded batches (as many on every rank: see the module's
+        docstring)."""
         order = lm_utils.Collator(
             [req.args for req in requests],
             sort_fn=lambda r: (-len(self.tok_encode(r[0])), r[0]),
@@ -169,7 +192,8 @@ class MeshformerLM(TemplateLM):
         )
         eos = self.tokenizer.decode(self.eot_token_id, skip_special_tokens=False)
         res = []
-        for chunk in order.get_batched(n=self.batch_size):
+        chunks = list(order.get_batched(n=self.batch_size))
+        for chunk in chunks:
             contexts, settings = zip(*chunk)
             kwargs = lm_utils.normalize_gen_kwargs(dict(settings[0]), MAX_GEN_TOKS)
             until = lm_utils.handle_stop_sequences(kwargs.pop("until", None), eos=eos)
@@ -184,10 +208,14 @@ class MeshformerLM(TemplateLM):
                 text = lm_utils.postprocess_generated_text(self._decode(tokens), until, None)
                 res.append(text)
                 self.cache_hook.add_partial("generate_until", (context, settings[0]), text)
+        for _ in range(self._pad_to_busiest_rank(len(chunks))):
+            while self._any_rank_running(False):  # another rank's batch: forward alongside until it is done
+                self._idle_forward()
         return order.get_original(res)
 
     def _generate(self, prompts: list[list[int]], new: int, until: list[str], kwargs: dict) -> list[list[int]]:
-        """Each prompt's new tokens; a row ends at end-of-text (left out) or when its text holds a stop sequence."""
+        """Each prompt's new tokens; a row ends at end-of-text (left out) or when its text holds a stop sequence.
+        The batch ends when every rank's rows have (a rank done first runs one-token forwards meanwhile)."""
         greedy = not kwargs.get("do_sample") or not kwargs.get("temperature")
         generator = torch.Generator(self._device).manual_seed(int(kwargs.get("seed", 0)))
         steps = batch_steps(
@@ -203,8 +231,15 @@ class MeshformerLM(TemplateLM):
         )
         out: list[list[int]] = [[] for _ in prompts]
         stopped = [False] * len(prompts)
+        taken = 0  # steps yielded; batch_steps yields another while a row is neither stopped nor at `new` tokens
+        running = new > 0 and bool(prompts)
         with contextlib.closing(steps), self._autocast():
-            for emitted in steps:
+            while self._any_rank_running(running):
+                if not running:
+                    self._idle_forward()
+                    continue
+                emitted = next(steps)
+                taken += 1
                 for r, tok in enumerate(emitted):
                     if tok is None or stopped[r]:
                         continue
@@ -213,8 +248,7 @@ class MeshformerLM(TemplateLM):
                         continue
                     out[r].append(tok)
                     stopped[r] = any(s and s in self._decode(out[r]) for s in until)
-                if all(stopped):
-                    break
+                running = taken < new and not all(stopped)
         return out
 
     def _decode(self, tokens: list[int]) -> str:
@@ -225,16 +259,16 @@ class MeshformerLM(TemplateLM):
         if self.world_size <= 1:
             return tensor
         parts = [torch.zeros_like(tensor) for _ in range(self.world_size)]
-        torch.distributed.all_gather(parts, tensor)
+        torch.distributed.all_gather(parts, tensor, group=self._group)
         return torch.stack(parts) if tensor.dim() == 0 else torch.cat(parts)
 
     def gather_object(self, obj, dst: int = 0):
         if self.world_size <= 1:
             return [obj]
         result = [None] * self.world_size if self.rank == dst else None
-        torch.distributed.gather_object(obj, result, dst=dst)
+        torch.distributed.gather_object(obj, result, group=self._group, group_dst=dst)
         return result
 
     def barrier(self) -> None:
         if self.world_size > 1:
-            torch.distributed.barrier()
+            torch.distributed.barrier(group=self._group)
