@@ -63,10 +63,8 @@ TURNS = [
 
 
 def torchrun_env() -> dict:
-    """The environment a test's torchrun launch gets: one OpenMP thread per rank, no inherited WORLD_SIZE, and
-    inductor compiling in each rank's own process (its default, a pool of compile workers per rank, starts one more
-    Python per compiling rank when the ranks already fill the cores)."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", TORCHINDUCTOR_COMPILE_THREADS="1")
+    """The environment a test's torchrun launch gets: one OpenMP thread per rank, no inherited WORLD_SIZE."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     env.pop("WORLD_SIZE", None)
     return env
 
