@@ -5,7 +5,9 @@ usage: torchrun --nproc-per-node N tests/dist/ep_worker.py OUT DIR JOB:CASE ... 
   trainer's CheckpointSaver into DIR/ckpt, then trains on to the end;
 - `load:CASE` builds a fresh model under CASE, loads that checkpoint as a resumed run does (Checkpointing.load:
   DCP reshards to this layout) and trains the remaining steps;
-- `grads:CASE` trains one step and keeps every routed-expert gradient as the optimizer sees it (whole tensors).
+- `grads:CASE` trains one step and keeps every routed-expert gradient as the optimizer sees it (whole tensors);
+- `parity:CASE:VARIANT` is parity_worker.py's case (the same keys in OUT): the parity cases of a world size and
+  these jobs share one launch, one set of process start-ups.
 The metrics rank of each job writes {"JOB:CASE": [[loss, grad_norm, *aux], ...]} into OUT (json), the save job
 also this rank's local expert shape; a grads job's tensors go to DIR/grads_CASE.safetensors.
 """
@@ -76,7 +78,14 @@ def main() -> None:
     out_path, where, jobs = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3:]
     results, env = {}, None
     for spec in jobs:
-        job, case = spec.split(":")
+        job, _, case = spec.partition(":")
+        if job == "parity":
+            case, _, variant = case.partition(":")
+            res, env, memory = harness.run_case(case, variant)
+            results[f"{case}:{variant}:memory:{env.rank}"] = memory
+            if env.is_metrics_rank:
+                results[f"{case}:{variant}"] = res
+            continue
         res, grads, env = run(job, case, where)
         if env.is_metrics_rank:
             results.update(res)

@@ -165,16 +165,40 @@ def _check_memory(results: dict, specs: list[str], world: int) -> None:
     assert not bad, "\n".join(bad)
 
 
-def test_ep_on_two_processes_equals_one_process(reference, tmp_path):
-    results = _parity(2, WORLD2, tmp_path / "r2.json")
+# The checkpoint and expert-gradient jobs of test_expert_gradients_and_ep2_checkpoints_resuming_at_ep1_and_ep4, by
+# world size; each runs in the launch of that world size's parity cases (ep_worker.py), after them.
+EP_JOBS2 = ["save:fsdp2_ep2", "load:fsdp2", "grads:fsdp2_ep2"]
+EP_JOBS4 = ["load:fsdp4_ep4", "load:hsdp2x2_ep2", "grads:fsdp4_ep2_accum", "grads:fsdp4_ep4"]
+
+
+def _launch(nproc: int, specs: list[str], jobs: list[str], where: Path) -> dict:
+    out = where / f"r{nproc}.json"
+    _torchrun(nproc, "ep_worker.py", [str(out), str(where), *(f"parity:{s}" for s in specs), *jobs])
+    return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def two_processes(tmp_path_factory) -> tuple[dict, Path]:
+    """(results of the 2-process launch: WORLD2's parity cases, then EP_JOBS2, the directory its files are in)."""
+    where = tmp_path_factory.mktemp("ep")
+    return _launch(2, WORLD2, EP_JOBS2, where), where
+
+
+@pytest.fixture(scope="module")
+def four_processes(two_processes) -> dict:
+    """Results of the 4-process launch: WORLD4's parity cases, then EP_JOBS4 (loading the 2-process checkpoint)."""
+    return _launch(4, WORLD4, EP_JOBS4, two_processes[1])
+
+
+def test_ep_on_two_processes_equals_one_process(reference, two_processes):
+    results = two_processes[0]
     _check(results, reference, WORLD2)
     _check_memory(results, WORLD2, 2)
 
 
-def test_ep_with_fsdp_hsdp_tp_and_pp_on_four_processes_equals_one_process(reference, tmp_path):
-    results = _parity(4, WORLD4, tmp_path / "r4.json")
-    _check(results, reference, WORLD4)
-    _check_memory(results, WORLD4, 4)
+def test_ep_with_fsdp_hsdp_tp_and_pp_on_four_processes_equals_one_process(reference, four_processes):
+    _check(four_processes, reference, WORLD4)
+    _check_memory(four_processes, WORLD4, 4)
 
 
 def test_ep_on_eight_processes_equals_one_process(reference, tmp_path):
@@ -183,27 +207,13 @@ def test_ep_on_eight_processes_equals_one_process(reference, tmp_path):
     _check_memory(results, WORLD8, 8)
 
 
-def test_expert_gradients_and_ep2_checkpoints_resuming_at_ep1_and_ep4(tmp_path):
+def test_expert_gradients_and_ep2_checkpoints_resuming_at_ep1_and_ep4(two_processes, four_processes):
     """Expert gradients equal one process tensor by tensor (at ep2 alone, ep2 with efsdp2, ep4); a checkpoint saved
     at ep2 (experts split 4 + 4 per layer) resumes at ep1 (2 processes, and 1) and at ep4 and HSDP with ep2, every
     later step (loss, grad norm, aux losses) and the routing biases as the uninterrupted run."""
-    _torchrun(
-        2, "ep_worker.py", [str(tmp_path / "o2.json"), str(tmp_path), "save:fsdp2_ep2", "load:fsdp2", "grads:fsdp2_ep2"]
-    )
-    _torchrun(
-        4,
-        "ep_worker.py",
-        [
-            str(tmp_path / "o4.json"),
-            str(tmp_path),
-            "load:fsdp4_ep4",
-            "load:hsdp2x2_ep2",
-            "grads:fsdp4_ep2_accum",
-            "grads:fsdp4_ep4",
-        ],
-    )
-    got = {**json.loads((tmp_path / "o2.json").read_text()), **json.loads((tmp_path / "o4.json").read_text())}
-    one, _, _ = ep_worker.run("load", "single", tmp_path, world_size=1)
+    two, where = two_processes
+    got = {**two, **four_processes}  # the jobs' keys are "JOB:CASE[:what]", the parity cases' "CASE:VARIANT[:...]"
+    one, _, _ = ep_worker.run("load", "single", where, world_size=1)
     got.update(one)
     assert got["save:fsdp2_ep2:local_experts"] == [4, 32, 64]  # each rank held half of every layer's experts
     saved = got["save:fsdp2_ep2"]
@@ -214,11 +224,11 @@ def test_expert_gradients_and_ep2_checkpoints_resuming_at_ep1_and_ep4(tmp_path):
         for name, values in got["save:fsdp2_ep2:biases"].items():
             assert max(abs(a - b) for a, b in zip(got[f"{resumed}:biases"][name], values)) <= BIAS_ATOL, resumed
 
-    grads, _, _ = ep_worker.run("grads", "single", tmp_path, world_size=1)
-    ref = _expert_grads_in_one_process(tmp_path)
+    grads, _, _ = ep_worker.run("grads", "single", where, world_size=1)
+    ref = _expert_grads_in_one_process(where)
     assert len(ref) == 3 * 4  # 4 layers x gate, up, down
     for case in ("fsdp2_ep2", "fsdp4_ep2_accum", "fsdp4_ep4"):
-        dist = load_file(str(tmp_path / f"grads_{case}.safetensors"))
+        dist = load_file(str(where / f"grads_{case}.safetensors"))
         assert set(dist) == set(ref), case
         for name, g in ref.items():
             scale = g.abs().max().item()
