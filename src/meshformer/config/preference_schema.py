@@ -46,7 +46,8 @@ class PreferenceConfig:
     )
     loss_type: str | list = setting(
         "sigmoid",
-        "TRL's loss_type or a list of them, summed (dpo: sigmoid, hinge, ipo, robust...; kto: kto, apo_zero_unpaired).",
+        "TRL's loss_type or a list of them, summed (dpo: sigmoid, hinge, ipo, robust...; kto: kto (its default), "
+        "apo_zero_unpaired).",
         aliases=("pref_loss",),
     )
     loss_weights: list | None = setting(
@@ -95,6 +96,8 @@ def _normalize_llama_factory(pc: PreferenceConfig) -> None:
         pc.method, pc.loss_type = pc.loss_type, "sigmoid"
     if pc.loss_type == "kto_pair":
         raise _refuse("loss_type", "kto_pair", "TRL removed it: use method: kto on unpaired data")
+    if pc.method == "kto" and pc.loss_type == "sigmoid":  # the default, and LLaMA-Factory's pref_loss for KTO
+        pc.loss_type = "kto"
 
 
 def _check_loss_types(pc: PreferenceConfig) -> None:

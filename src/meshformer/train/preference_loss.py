@@ -214,6 +214,11 @@ def _log1mexp(x: torch.Tensor) -> torch.Tensor:
     return torch.where(x < -math.log(2), torch.log1p(-torch.exp(x)), torch.log(-torch.expm1(x)))
 
 
+def orpo_log_odds(chosen_logps: torch.Tensor, rejected_logps: torch.Tensor) -> torch.Tensor:
+    """[P] log(odds(chosen) / odds(rejected)) of per-token MEAN log-probs, odds(p) = p / (1 - p)."""
+    return (chosen_logps - rejected_logps) - (_log1mexp(chosen_logps) - _log1mexp(rejected_logps))
+
+
 def orpo_loss(
     chosen_logps: torch.Tensor, rejected_logps: torch.Tensor, nll: torch.Tensor, *, beta: float = 0.1
 ) -> tuple[torch.Tensor, dict]:
@@ -222,7 +227,7 @@ def orpo_loss(
     log odds computed in float32 as TRL does (float64 stays)."""
     dtype = torch.float64 if chosen_logps.dtype == torch.float64 else torch.float32
     c, r = chosen_logps.to(dtype), rejected_logps.to(dtype)
-    log_odds = (c - r) - (_log1mexp(c) - _log1mexp(r))
+    log_odds = orpo_log_odds(c, r)
     ratio = F.logsigmoid(log_odds)
     loss = nll - (beta * ratio).mean()
     metrics = _pair_metrics(beta, c, r, c, r)
