@@ -2,7 +2,8 @@
 types at once (sigmoid, ipo, sft: per-pair terms, per-length terms and a token mean) against a frozen copy of the
 starting weights, at dp2 (with accumulation), FSDP, tp2 (with sequence parallelism and accumulation), cp2 (each
 pair's log-probs summed over the ranks, with accumulation), ep2 on the MoE model, and LoRA against the adapters-off
-reference at dp2 and tp2; SimPO (no reference) at dp2 and pp2 (1F1B). Loss, gradient norm, TRL's rewards and
+reference at dp2 and tp2; SimPO and ORPO (no reference) at dp2 and pp2 (1F1B); KTO (its KL estimate over the global
+batch) at dp2 with accumulation and tp2. Loss, gradient norm, TRL's rewards and
 log-probs of every step and the validation loss within 1e-5 relative (fp32). All cases in ONE 2-process launch
 (tests/dist/preference_worker.py)."""
 
@@ -33,6 +34,10 @@ SPECS = [
     "tp2:dpo_lora",
     "dp2:simpo",
     "pp2_1f1b:simpo",
+    "dp2:orpo",
+    "pp2_1f1b:orpo",
+    "dp2_accum:kto",
+    "tp2:kto",
 ]
 
 
