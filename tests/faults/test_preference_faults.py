@@ -71,3 +71,12 @@ def test_data_of_the_other_kind_is_refused(request, tmp_path, capsys, data, meth
     extra["preference_config.method"] = method
     fails(capsys, ["train", EMPTY, *tiny_overrides(request.getfixturevalue(data), out, extra)], *needles)
     assert not (out / "metrics.jsonl").exists() and not (out / "checkpoint").exists()
+
+
+def test_a_kto_batch_of_one_example_is_refused(unpaired, tmp_path, capsys):
+    """KTO's KL row pairs a prompt with ANOTHER example's completion of the global batch: one example has none."""
+    out = tmp_path / "run"
+    extra = {"train_dataset.data_loader.type": "PreferenceDataset", "runner_config.stop_step": 1}
+    extra |= {"preference_config.method": "kto", "train_dataset.batch_size": 1}
+    fails(capsys, ["train", EMPTY, *tiny_overrides(unpaired, out, extra)], "train_dataset.batch_size=1", "KL term")
+    assert not (out / "metrics.jsonl").exists() and not (out / "checkpoint").exists()

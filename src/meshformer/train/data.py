@@ -62,7 +62,7 @@ class TrainingData:
                 + (" (packed)" if dl.packing else " (one sample per row; packing: true fills rows)")
             )
         if self.rows:
-            check_preference_data(cfg, getattr(self.train_ds, "kind", None))
+            check_preference_data(cfg, getattr(self.train_ds, "kind", None), self.plan.global_batch)
         self._open_tokenizer()
         check_tokenizer(self.train_ds, self.tokenizer_hash, self.mc.vocab_size, field)
         check_trains_targets(self.train_ds, "train_dataset.data_loader")

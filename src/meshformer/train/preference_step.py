@@ -68,10 +68,16 @@ def preference_rows(cfg: MeshformerConfig) -> str | None:
     return None if method == "none" else method if method in ("kto", "orpo") else "pairs"
 
 
-def check_preference_data(cfg: MeshformerConfig, kind: str | None) -> None:
-    """Refuse, in one line, data of the other kind (pairs for KTO, unpaired examples for the pair methods)."""
+def check_preference_data(cfg: MeshformerConfig, kind: str | None, global_batch: int) -> None:
+    """Refuse, in one line, data of the other kind (pairs for KTO, unpaired examples for the pair methods), and a
+    KTO global batch of one example (its KL row would be its own sequence: TRL refuses a batch of 1 too)."""
     method, dl = cfg.preference_config.method, cfg.train_dataset.data_loader
     want = "unpaired" if method == "kto" else "pairs"
+    if kind == want and method == "kto" and global_batch < 2:
+        raise UserError(
+            f"train_dataset.batch_size={cfg.train_dataset.batch_size}: a KTO global batch of {global_batch} example "
+            f"leaves its KL term (each prompt with another example's completion) nothing to pair: use 2 or more"
+        )
     if kind == want:
         return
     what = {"pairs": "prompt/chosen/rejected pairs", "unpaired": "prompt/completion/label (KTO) examples"}
