@@ -188,11 +188,8 @@ def kto_loss(
     z0 = logps.new_zeros(()) if kl_logps is None else (kl_logps - ref_kl_logps).mean().detach().clamp(min=0)
     ratios = logps - ref_logps
     rc, rr = ratios[labels], ratios[~labels]
-    if loss_type == "kto":
-        chosen_losses, rejected_losses = 1 - torch.sigmoid(beta * (rc - z0)), 1 - torch.sigmoid(beta * (z0 - rr))
-    else:
-        chosen_losses, rejected_losses = 1 - torch.sigmoid(beta * rc), torch.sigmoid(beta * rr)
-    losses = torch.cat((desirable_weight * chosen_losses, undesirable_weight * rejected_losses))
+    per_example = kto_per_example(ratios, labels, z0, beta, desirable_weight, undesirable_weight, loss_type)
+    losses = torch.cat((per_example[labels], per_example[~labels]))
     metrics = {"kl": z0}
     n_c, n_r = int(labels.sum()), int((~labels).sum())
     if n_c:
@@ -203,10 +200,26 @@ def kto_loss(
         metrics["logps/rejected"] = logps[~labels].detach().nansum() / n_r
     if n_c and n_r:
         metrics["rewards/margins"] = metrics["rewards/chosen"] - metrics["rewards/rejected"]
-    per_example = torch.empty_like(ratios)
-    per_example[labels], per_example[~labels] = losses[:n_c], losses[n_c:]
     metrics["per_example"] = per_example
     return losses.nanmean(), metrics
+
+
+def kto_per_example(
+    ratios: torch.Tensor,
+    desirable: torch.Tensor,
+    z0: torch.Tensor,
+    beta: float,
+    desirable_weight: float,
+    undesirable_weight: float,
+    loss_type: str = "kto",
+) -> torch.Tensor:
+    """[N] each example's weighted KTO loss from its log-ratio (policy minus reference summed log-probability),
+    its label (True: desirable) and z0; no host synchronisation (a step calls it per micro-batch)."""
+    if loss_type == "kto":
+        chosen, rejected = 1 - torch.sigmoid(beta * (ratios - z0)), 1 - torch.sigmoid(beta * (z0 - ratios))
+    else:  # apo_zero_unpaired
+        chosen, rejected = 1 - torch.sigmoid(beta * ratios), torch.sigmoid(beta * ratios)
+    return torch.where(desirable, desirable_weight * chosen, undesirable_weight * rejected)
 
 
 def _log1mexp(x: torch.Tensor) -> torch.Tensor:

@@ -44,7 +44,7 @@ from meshformer.errors import UserError
 from meshformer.parallel import ParallelEnv
 from meshformer.parallel.context_parallel import local_sequence
 from meshformer.train.frozen_model import FrozenModel
-from meshformer.train.preference_loss import dpo_loss, kto_loss, orpo_log_odds, simpo_loss
+from meshformer.train.preference_loss import dpo_loss, kto_per_example, orpo_log_odds, simpo_loss
 
 BUILT_METHODS = ("dpo", "kto", "orpo", "simpo")
 # TRL's metric names of a pair method, each a mean over the pairs of the step (or of the validation batches)
@@ -244,15 +244,14 @@ class PreferenceObjective:
     def _kto(self, logps: torch.Tensor, ref: torch.Tensor, desirable: torch.Tensor) -> dict:
         """The per-example KTO loss summed, and the record's sums (TRL names a desirable example `chosen`)."""
         pc = self.pc
-        z0 = self.kl.to(logps.dtype).view(1)
-        _, m = kto_loss(
-            logps, ref, desirable, z0, torch.zeros_like(z0), beta=pc.beta, desirable_weight=pc.desirable_weight,
-            undesirable_weight=pc.undesirable_weight, loss_type=pc.loss_types()[0],
+        per_example = kto_per_example(
+            logps - ref, desirable, self.kl.to(logps.dtype), pc.beta, pc.desirable_weight, pc.undesirable_weight,
+            pc.loss_types()[0],
         )  # fmt: skip
         rewards, d, u = pc.beta * (logps - ref).detach(), desirable.to(logps.dtype), (~desirable).to(logps.dtype)
         n = torch.tensor(float(logps.shape[0]), device=logps.device)
         return {
-            "sample_loss": m["per_example"].sum(), "samples": n, "chosen": d.sum(), "rejected": u.sum(),
+            "sample_loss": per_example.sum(), "samples": n, "chosen": d.sum(), "rejected": u.sum(),
             "rewards/chosen": (rewards * d).sum(), "rewards/rejected": (rewards * u).sum(),
             "logps/chosen": (logps.detach() * d).sum(), "logps/rejected": (logps.detach() * u).sum(),
             "kl": self.kl * n,
