@@ -3,7 +3,7 @@ types at once (sigmoid, ipo, sft: per-pair terms, per-length terms and a token m
 starting weights, at dp2 (with accumulation), FSDP, tp2 (with sequence parallelism and accumulation), cp2 (each
 pair's log-probs summed over the ranks, with accumulation), ep2 on the MoE model, and LoRA against the adapters-off
 reference at dp2 and tp2; SimPO and ORPO (no reference) at dp2 and pp2 (1F1B); KTO (its KL estimate over the global
-batch) at dp2 with accumulation and tp2. Loss, gradient norm, TRL's rewards and
+batch) at dp2 with accumulation, tp2 and cp2 with accumulation. Loss, gradient norm, TRL's rewards and
 log-probs of every step and the validation loss within 1e-5 relative (fp32). All cases in ONE 2-process launch
 (tests/dist/preference_worker.py)."""
 
@@ -38,6 +38,7 @@ SPECS = [
     "pp2_1f1b:orpo",
     "dp2_accum:kto",
     "tp2:kto",
+    "cp2_accum:kto",
 ]
 
 
