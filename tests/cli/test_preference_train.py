@@ -142,3 +142,31 @@ def test_stored_log_probs_of_other_data_are_refused(setup, tmp_path, capsys):
     assert stored.read_bytes() == before  # nothing lost
     stored.unlink()
     fails(capsys, args, "preference_config.reference=precomputed", "is missing", "new run")
+
+
+KTO_RECORDS = [
+    {"prompt": f"The {a} and the", "completion": f" {b} of the realm" if i % 3 else f" {b}", "label": i % 2 == 0}
+    for i, (a, b) in enumerate(zip(WORDS, WORDS[1:] + WORDS[:1]))
+]
+
+
+def test_kto_resumes_exactly_and_validates(tiny_dataset, tmp_path):
+    """KTO end to end on shuffled unpaired examples (its KL rows: each prompt with the previous example's
+    completion of the global batch, over two epochs): a resumed run equals the uninterrupted one, and validation
+    reports TRL's KTO metrics (eval_kl, eval_rewards/...)."""
+    root = preference_run_dir(tmp_path / "kto", tiny_dataset.parent / "tok", KTO_RECORDS, 0.25)
+    kto = {"preference_config.method": "kto", "preference_config.loss_type": "kto", "preference_config.beta": 0.5}
+    kto |= {"train_dataset.data_loader.shuffle": True, "eval_config.eval_interval": 3}
+    full = train(root, tmp_path / "full", {**kto, "runner_config.stop_step": 6})
+    train(root, tmp_path / "part", {**kto, "runner_config.stop_step": 3})
+    resume = {**kto, "runner_config.stop_step": 6, "resume_training": True, "load_checkpoint": ""}
+    resumed = train(root, tmp_path / "part", resume)
+    assert [r["step"] for r in resumed] == list(range(1, 7))
+    for a, b in zip(full, resumed):
+        for key in ("loss", "grad_norm", "kl", "logps/chosen", "logps/rejected"):
+            assert a.get(key) == b.get(key), (a["step"], key, a.get(key), b.get(key))
+    evaluated = [r for r in full if "eval_loss" in r]
+    assert [r["step"] for r in evaluated] == [3, 6]
+    for r in evaluated:
+        assert r["eval_kl"] >= 0 and {"eval_rewards/chosen", "eval_rewards/rejected"} & set(r)  # those it holds
+    assert full[0]["kl"] == 0.0 and full[0]["rewards/chosen"] == 0.0  # the policy starts as the reference

@@ -450,8 +450,15 @@ PREFERENCE_VARIANTS["simpo"] = {"preference_config.method": "simpo", "preference
 PREFERENCE_VARIANTS["dpo_bf16"] = {**PREFERENCE_VARIANTS["dpo"], **VARIANTS["bf16"]}
 # DPO against log-probs computed once before step 1 (train/precomputed_reference.py): the run `dpo` is
 PREFERENCE_VARIANTS["dpo_pre"] = {**PREFERENCE_VARIANTS["dpo"], "preference_config.reference": "precomputed"}
-# what a preference step adds to each step's record (TRL's names)
+# what a preference step adds to each step's record (TRL's names; KTO logs no accuracies: 0 on both sides)
 PREFERENCE_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "logps/chosen", "logps/rejected")
+# ORPO (its NLL covers the chosen rows' prompt tokens: marked labels) and KTO (every other example undesirable,
+# every odd row its KL row, z0 over the global batch)
+PREFERENCE_VARIANTS["orpo"] = {"preference_config.method": "orpo", "preference_config.beta": 0.5}
+PREFERENCE_VARIANTS["kto"] = {
+    "preference_config.method": "kto", "preference_config.beta": 0.5, "preference_config.desirable_weight": 1.5,
+    "preference_config.undesirable_weight": 0.8,
+}  # fmt: skip
 # Distillation (tests/parity/test_distill_layouts.py): the JSD over the teacher's top 16 tokens at temperature 1.5,
 # mixed with the cross-entropy (alpha 0.6). The teacher is a Hugging Face directory the test writes, its path in
 # the environment (DISTILL_TEACHER_ENV): it must exist when the config is read, which checks its vocabulary.
@@ -513,12 +520,18 @@ def make_cfg(overrides: dict):
     return load_config(None, args)
 
 
-def batches(packed: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """inputs, labels and (packed) each position's document index: documents of random lengths in every row."""
+def batches(packed: bool = False, method: str = "none") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """inputs, labels and (packed) each position's document index: documents of random lengths in every row; a
+    preference `method`'s marked labels (data/preference_rows.py): orpo's chosen prompts, kto's undesirable ones."""
     g = torch.Generator().manual_seed(1234)
     tokens = torch.randint(VOCAB, (STEPS, GLOBAL_BATCH, SEQ + 1), generator=g)
     labels = tokens[..., 1:].clone()
     labels[torch.rand(labels.shape, generator=g) < 0.1] = -100  # ignored positions must not count
+    if method == "orpo":  # the first 4 positions of every chosen row: its prompt
+        labels[:, 0::2, :4] = tokens[:, 0::2, 1:5] + VOCAB
+    if method == "kto":  # every other example undesirable: its own row's labels marked
+        own = labels[:, 2::4]
+        labels[:, 2::4] = torch.where(own != -100, own + VOCAB, own)
     if not packed:
         return tokens[..., :-1], labels, None
     starts = torch.rand(STEPS, GLOBAL_BATCH, SEQ, generator=g) < 0.2
@@ -608,7 +621,7 @@ def train_steps(
     hooks = [*hooks, *([balance] if balance is not None else [])]
     scaler = LossScaler.from_config(cfg)  # fp16: the trainer's dynamic loss scaling
     schedule = Schedule(opt, cfg, STEPS)
-    inputs, labels, documents = batches(packed)
+    inputs, labels, documents = batches(packed, cfg.preference_config.method)
     rows = rows_of(env)
     out = []
     for step in steps:
@@ -621,7 +634,8 @@ def train_steps(
                        max_grad_norm=clip_threshold(cfg), documents=docs, hooks=list(hooks), step=step + 1,
                        loss_scale=scaler.scale, objective=objective)
         scaler.update(not r.skipped)
-        preference = [r.metrics[k] for k in (*PREFERENCE_METRICS, *DISTILL_METRICS) if k in r.metrics]
+        keys = DISTILL_METRICS if isinstance(objective, DistillObjective) else PREFERENCE_METRICS
+        preference = [r.metrics.get(k, 0.0) for k in keys] if objective is not None else []
         out.append((r.loss, r.grad_norm, *(r.aux_losses[k] for k in sorted(r.aux_losses)), *preference))
         if after is not None:
             after(step)
@@ -630,7 +644,7 @@ def train_steps(
 
 def evaluate_first(parts, cfg, env, n_micro: int, packed: bool = False, objective=None) -> float:
     """Validation loss (forward only) of the first global batch (a preference run's: its mean pair loss)."""
-    inputs, labels, documents = batches(packed)
+    inputs, labels, documents = batches(packed, cfg.preference_config.method)
     rows = rows_of(env)
     docs = None if documents is None else documents[0, rows].to(env.device)
     first = [(inputs[0, rows].to(env.device), labels[0, rows].to(env.device), docs)]

@@ -37,6 +37,10 @@ def test_llama_factory_aliases(tmp_path):
     assert (pc.method, pc.loss_type, pc.reference_kind()) == ("simpo", "sigmoid", "none")
     pc = _cfg(tmp_path, {"method": "kto", "loss_type": "kto", "kto_chosen_weight": 1.5})
     assert pc.desirable_weight == 1.5
+    pc = _cfg(
+        tmp_path, {"method": "kto", "pref_loss": "sigmoid", "kto_rejected_weight": 0.5}
+    )  # LLaMA-Factory's default
+    assert (pc.loss_type, pc.undesirable_weight) == ("kto", 0.5)
 
 
 LORA = "model: {model_config: {pet_config: {pet_type: lora}}}\n"
@@ -51,7 +55,7 @@ LORA = "model: {model_config: {pet_config: {pet_type: lora}}}\n"
         ({"method": "dpo", "reference": "none"}, "", ("reference=none", "orpo or simpo")),
         ({"method": "simpo", "reference": "copy"}, "", ("reference=copy", "no reference")),
         ({"method": "dpo", "loss_type": "sigmoidd"}, "", ("loss_type=sigmoidd", "choose from")),
-        ({"method": "kto", "loss_type": "sigmoid"}, "", ("loss_type=sigmoid", "kto loss type")),
+        ({"method": "kto", "loss_type": "hinge"}, "", ("loss_type=hinge", "kto loss type")),
         ({"method": "dpo", "loss_type": ["sigmoid", "sft"], "loss_weights": [1]}, "", ("loss_weights", "one weight")),
         ({"method": "dpo", "label_smoothing": 0.1}, "", ("label_smoothing=0.1", "robust", "cdpo")),
         ({"method": "dpo", "loss_type": "robust", "label_smoothing": 0.5}, "", ("label_smoothing=0.5", "< 0.5")),

@@ -56,14 +56,15 @@ def test_reference_copy_is_the_policys_weights_again_and_the_others_are_free():
 
 
 def test_a_pair_is_two_rows_of_the_micro_batch():
-    """batch_size counts pairs: a DPO micro-batch of 2 pairs is planned as 4 SFT rows, its logits twice 2 rows'."""
+    """batch_size counts pairs (KTO: examples): a DPO micro-batch of 2 pairs is planned as 4 SFT rows, its logits
+    twice 2 rows'; a KTO example is its own row and its KL row."""
     dpo = _plan({**DPO, "preference_config.reference": "precomputed"}, micro_batch=2).stages[0]
     sft4 = _plan({}, micro_batch=4).stages[0]
     sft2 = _plan({}, micro_batch=2).stages[0]
     assert dpo.memory.activations_bytes == sft4.memory.activations_bytes > sft2.memory.activations_bytes
     assert dpo.logits_bytes == sft4.logits_bytes == 4 * SEQ * VOCAB * 4  # rows x seq x vocab x float32
     kto = _plan({"preference_config.method": "kto", "preference_config.loss_type": "kto"}, micro_batch=2).stages[0]
-    assert kto.logits_bytes == sft2.logits_bytes  # KTO examples are one row each
+    assert kto.logits_bytes == sft4.logits_bytes  # a KTO example is two rows too: its own and its KL sequence
 
 
 def test_precomputed_reference_costs_eight_bytes_a_pair_on_disk(tmp_path):

@@ -46,7 +46,8 @@ class PreferenceConfig:
     )
     loss_type: str | list = setting(
         "sigmoid",
-        "TRL's loss_type or a list of them, summed (dpo: sigmoid, hinge, ipo, robust...; kto: kto, apo_zero_unpaired).",
+        "TRL's loss_type or a list of them, summed (dpo: sigmoid, hinge, ipo, robust...; kto: kto (its default), "
+        "apo_zero_unpaired).",
         aliases=("pref_loss",),
     )
     loss_weights: list | None = setting(
@@ -95,6 +96,8 @@ def _normalize_llama_factory(pc: PreferenceConfig) -> None:
         pc.method, pc.loss_type = pc.loss_type, "sigmoid"
     if pc.loss_type == "kto_pair":
         raise _refuse("loss_type", "kto_pair", "TRL removed it: use method: kto on unpaired data")
+    if pc.method == "kto" and pc.loss_type == "sigmoid":  # the default, and LLaMA-Factory's pref_loss for KTO
+        pc.loss_type = "kto"
 
 
 def _check_loss_types(pc: PreferenceConfig) -> None:
@@ -127,6 +130,9 @@ def _check_reference(pc: PreferenceConfig, lora: bool) -> None:
     if pc.method in ("dpo", "kto") and ref == "none":
         raise _refuse("reference", ref, f"{pc.method} compares the policy with a reference: choose copy, adapter "
                       f"or precomputed (reference-free losses: method orpo or simpo)")  # fmt: skip
+    if pc.method == "kto" and ref == "precomputed":
+        why = "a KTO example's KL row pairs it with another example of its global batch, which the shuffle changes"
+        raise _refuse("reference", ref, f"{why}, so its log-probs cannot be stored once: choose copy or adapter")
     if pc.method in ("orpo", "simpo") and ref != "none":
         raise _refuse("reference", ref, f"{pc.method} uses no reference model: remove reference (or set none)")
     if ref == "adapter" and not lora:

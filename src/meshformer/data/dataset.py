@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from meshformer.data import protocol
+from meshformer.data.preference_rows import mark_labels, rows_of_kto, rows_of_pairs
 from meshformer.data.protocol import Sample
 from meshformer.errors import UserError
 
@@ -355,30 +356,39 @@ class GlobalBatches:
         return [dataset.sample(int(i)) for i in self.sample_ids(b)]
 
     def host_inputs(
-        self, dataset: protocol.Dataset, b: int, vocab_size: int, ignore: int, field: str, pairs: bool = False
+        self, dataset: protocol.Dataset, b: int, vocab_size: int, ignore: int, field: str, rows: str | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Inputs, next-token labels and document indices (packed rows; else None) of global batch b's rows, on
         the host, from `dataset.sample(i)` alone. Labels the loss mask does not keep (prompts, padding of
         instruction data) and labels that would predict the first token of the next packed sample become
         `ignore`. The token ids are checked against the vocabulary here, before any copy: on a GPU a check there
-        would make the host wait for the device every step. `pairs`: the samples are preference pairs, read as
-        two rows each."""
+        would make the host wait for the device every step. `rows`: preference samples, read as two rows each
+        (data/preference_rows.py: pairs, orpo or kto)."""
         samples = self.samples(dataset, b)
-        if pairs:  # preference pairs: two rows each (rows_of_pairs)
-            samples = rows_of_pairs(samples)
-        return batch_inputs(samples, vocab_size, ignore, f"{field}: global batch {b}")
+        if not rows:
+            return batch_inputs(samples, vocab_size, ignore, f"{field}: global batch {b}")
+        if rows == "kto":
+            previous = [dataset.sample(int(i)) for i in self.previous_sample_ids(b)]
+            as_rows = rows_of_kto(samples, previous, int(getattr(dataset, "pad", 0)))
+        else:
+            as_rows = rows_of_pairs(samples)
+        inputs, labels, documents = batch_inputs(as_rows, vocab_size, ignore, f"{field}: global batch {b}")
+        mark_labels(rows, as_rows, samples, labels, vocab_size)
+        return inputs, labels, documents
+
+    def previous_sample_ids(self, b: int) -> torch.Tensor:
+        """For each of this rank's samples of global batch b, the sample before it in the global batch (the
+        first's: the batch's last)."""
+        epoch, k = divmod(b, self.per_epoch)
+        ids = self.order.epoch_order(epoch)[k * self.gb : (k + 1) * self.gb].roll(1)
+        per_rank = self.gb // self.dp_size
+        return ids[self.dp_rank * per_rank : (self.dp_rank + 1) * per_rank]
 
     def model_inputs(
         self, dataset: protocol.Dataset, b: int, device: torch.device, vocab_size: int, ignore: int, field: str
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """`host_inputs` on `device`."""
         return to_device(self.host_inputs(dataset, b, vocab_size, ignore, field), device)
-
-
-def rows_of_pairs(samples: list[Sample]) -> list[Sample]:
-    """Preference pairs as rows, each pair's chosen then its rejected (adjacent, so no micro-batch split cuts a
-    pair): the rows a preference step reads (train/preference_step.py)."""
-    return [row for s in samples for row in (Sample(s.tokens, s.loss_mask), Sample(s.rejected, s.rejected_mask))]
 
 
 def batch_inputs(

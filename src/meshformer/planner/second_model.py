@@ -37,7 +37,8 @@ from meshformer.config.schema import MeshformerConfig
 from meshformer.dtypes import DTYPE
 from meshformer.parallel.dims import ParallelDims
 
-PAIR_METHODS = ("dpo", "orpo", "simpo")
+# every preference sample is two rows: a pair, or a KTO example and its KL sequence (data/preference_rows.py)
+TWO_ROW_METHODS = ("dpo", "kto", "orpo", "simpo")
 LOGPROB_BYTES = 8  # one float64 log-probability per sequence (train/precomputed_reference.py keeps rewards exact)
 
 
@@ -62,8 +63,8 @@ class SecondModel:
 
 
 def rows_per_sample(cfg: MeshformerConfig) -> int:
-    """Rows of a micro-batch per sample of train_dataset.batch_size: 2 for preference pairs, else 1."""
-    return 2 if cfg.preference_config.method in PAIR_METHODS else 1
+    """Rows of a micro-batch per sample of train_dataset.batch_size: 2 for preference samples, else 1."""
+    return 2 if cfg.preference_config.method in TWO_ROW_METHODS else 1
 
 
 def reference_kind(cfg: MeshformerConfig) -> str:

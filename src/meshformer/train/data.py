@@ -31,7 +31,7 @@ from meshformer.errors import UserError
 from meshformer.parallel import ParallelEnv
 from meshformer.parallel.batch_plan import BatchPlan
 from meshformer.train.optim import schedule_warnings
-from meshformer.train.preference_step import PAIRED_METHODS
+from meshformer.train.preference_step import check_preference_data, preference_rows
 from meshformer.train.step import eval_micro_batch
 
 Batch = tuple[Tensor, Tensor, Tensor | None]  # inputs, labels, documents (packed rows; else None)
@@ -42,8 +42,8 @@ class TrainingData:
     def __init__(self, cfg: MeshformerConfig, env: ParallelEnv, plan: BatchPlan, log: Callable[[str], None]):
         self.cfg, self.env, self.plan, self.log = cfg, env, plan, log
         self.mc = cfg.model.model_config
-        # a preference run on pairs reads each pair as two rows (train/preference_step.py)
-        self.pairs = cfg.preference_config.method in PAIRED_METHODS
+        # a preference run reads each sample as two rows (data/preference_rows.py, train/preference_step.py)
+        self.rows = preference_rows(cfg)
         self._open()
         td = cfg.train_dataset
         self._train_ahead = Prefetcher(self._host_train, td.prefetch_size, td.num_parallel_workers)
@@ -61,12 +61,8 @@ class TrainingData:
                 f"{self.mc.seq_length + 1} tokens, {self.train_ds.padding:.1%} padding"
                 + (" (packed)" if dl.packing else " (one sample per row; packing: true fills rows)")
             )
-        if self.pairs and getattr(self.train_ds, "kind", None) != "pairs":
-            raise UserError(
-                f"preference_config.method={cfg.preference_config.method} trains on preference pairs, but "
-                f"train_dataset.data_loader ({dl.type}) holds none: preprocess prompt/chosen/rejected records and "
-                f"set data_loader.type: PreferenceDataset"
-            )
+        if self.rows:
+            check_preference_data(cfg, getattr(self.train_ds, "kind", None), self.plan.global_batch)
         self._open_tokenizer()
         check_tokenizer(self.train_ds, self.tokenizer_hash, self.mc.vocab_size, field)
         check_trains_targets(self.train_ds, "train_dataset.data_loader")
@@ -156,7 +152,7 @@ class TrainingData:
 
     # ---- batches ------------------------------------------------------------------------------------------
     def _host_batch(self, ds, order: GlobalBatches, b: int, field: str) -> Batch:
-        batch = order.host_inputs(ds, b, self.mc.vocab_size, self.mc.ignore_token_id, field, self.pairs)
+        batch = order.host_inputs(ds, b, self.mc.vocab_size, self.mc.ignore_token_id, field, self.rows)
         return pinned(batch) if self.env.device.type == "cuda" else batch
 
     def _host_train(self, b: int) -> Batch:

@@ -188,11 +188,8 @@ def kto_loss(
     z0 = logps.new_zeros(()) if kl_logps is None else (kl_logps - ref_kl_logps).mean().detach().clamp(min=0)
     ratios = logps - ref_logps
     rc, rr = ratios[labels], ratios[~labels]
-    if loss_type == "kto":
-        chosen_losses, rejected_losses = 1 - torch.sigmoid(beta * (rc - z0)), 1 - torch.sigmoid(beta * (z0 - rr))
-    else:
-        chosen_losses, rejected_losses = 1 - torch.sigmoid(beta * rc), torch.sigmoid(beta * rr)
-    losses = torch.cat((desirable_weight * chosen_losses, undesirable_weight * rejected_losses))
+    per_example = kto_per_example(ratios, labels, z0, beta, desirable_weight, undesirable_weight, loss_type)
+    losses = torch.cat((per_example[labels], per_example[~labels]))
     metrics = {"kl": z0}
     n_c, n_r = int(labels.sum()), int((~labels).sum())
     if n_c:
@@ -203,15 +200,36 @@ def kto_loss(
         metrics["logps/rejected"] = logps[~labels].detach().nansum() / n_r
     if n_c and n_r:
         metrics["rewards/margins"] = metrics["rewards/chosen"] - metrics["rewards/rejected"]
-    per_example = torch.empty_like(ratios)
-    per_example[labels], per_example[~labels] = losses[:n_c], losses[n_c:]
     metrics["per_example"] = per_example
     return losses.nanmean(), metrics
+
+
+def kto_per_example(
+    ratios: torch.Tensor,
+    desirable: torch.Tensor,
+    z0: torch.Tensor,
+    beta: float,
+    desirable_weight: float,
+    undesirable_weight: float,
+    loss_type: str = "kto",
+) -> torch.Tensor:
+    """[N] each example's weighted KTO loss from its log-ratio (policy minus reference summed log-probability),
+    its label (True: desirable) and z0; no host synchronisation (a step calls it per micro-batch)."""
+    if loss_type == "kto":
+        chosen, rejected = 1 - torch.sigmoid(beta * (ratios - z0)), 1 - torch.sigmoid(beta * (z0 - ratios))
+    else:  # apo_zero_unpaired
+        chosen, rejected = 1 - torch.sigmoid(beta * ratios), torch.sigmoid(beta * ratios)
+    return torch.where(desirable, desirable_weight * chosen, undesirable_weight * rejected)
 
 
 def _log1mexp(x: torch.Tensor) -> torch.Tensor:
     """log(1 - exp(x)) for x < 0, stable on both sides of -log 2."""
     return torch.where(x < -math.log(2), torch.log1p(-torch.exp(x)), torch.log(-torch.expm1(x)))
+
+
+def orpo_log_odds(chosen_logps: torch.Tensor, rejected_logps: torch.Tensor) -> torch.Tensor:
+    """[P] log(odds(chosen) / odds(rejected)) of per-token MEAN log-probs, odds(p) = p / (1 - p)."""
+    return (chosen_logps - rejected_logps) - (_log1mexp(chosen_logps) - _log1mexp(rejected_logps))
 
 
 def orpo_loss(
@@ -222,7 +240,7 @@ def orpo_loss(
     log odds computed in float32 as TRL does (float64 stays)."""
     dtype = torch.float64 if chosen_logps.dtype == torch.float64 else torch.float32
     c, r = chosen_logps.to(dtype), rejected_logps.to(dtype)
-    log_odds = (c - r) - (_log1mexp(c) - _log1mexp(r))
+    log_odds = orpo_log_odds(c, r)
     ratio = F.logsigmoid(log_odds)
     loss = nll - (beta * ratio).mean()
     metrics = _pair_metrics(beta, c, r, c, r)

@@ -23,7 +23,7 @@ from meshformer.parallel import ParallelEnv
 from meshformer.parallel.batch_plan import BatchPlan
 from meshformer.train import metrics as M
 from meshformer.train.memory import MemoryMeter
-from meshformer.train.preference_step import PAIRED_METHODS
+from meshformer.train.preference_step import trains_preferences
 from meshformer.train.progress import Progress
 from meshformer.train.step import StepResult
 
@@ -56,7 +56,7 @@ class RunMetrics:
         mc = cfg.model.model_config
         self.peak, peak_src = peak_flops(env.device, DTYPE[mc.compute_dtype], cfg.monitor_config.peak_flops)
         self.fpt = family_of(mc).flops_per_token(mc)
-        rows_per_sample = 2 if cfg.preference_config.method in PAIRED_METHODS else 1  # a pair is two rows
+        rows_per_sample = 2 if trains_preferences(cfg) else 1  # a preference sample is two rows
         self.tokens_per_step = plan.global_batch * rows_per_sample * mc.seq_length
         self.console.log(
             f"model {n_params / 1e6:.2f}M parameters"

@@ -97,6 +97,8 @@ def build_parts(
     run_flops = None if run_tokens is None else run_tokens * family_of(mc).flops_per_token(mc)
     objective = make_objective(cfg, env)
     parts = parallelize(model, cfg, env, objective or make_loss_fn(cfg), run_flops)
+    if objective is not None:
+        objective.policy_parts = parts  # KTO's KL estimate runs the policy forward only, before the step
     for part in parts.parts:
         materialize(part, env.device, cfg.seed, DTYPE[mc.param_init_type])
     return BuiltModel(model, parts, applied, matmul_note, objective)
