@@ -191,8 +191,8 @@ class RecomputeConfig:
     )
     select_recompute_policy: str = setting(
         "matmuls",
-        "What a selectively recomputed layer keeps of its matmuls: matmuls (every output) or alternate_matmuls "
-        "(torchtitan's op-level selective AC: every other linear's output, the rest recomputed; less memory).",
+        "What selective recompute keeps: matmuls (every matmul output) or alternate_matmuls (torchtitan's op-level "
+        "AC: every other linear's output).",
         choices=("matmuls", "alternate_matmuls"),
     )
     parallel_optimizer_comm_recompute: bool = setting(
@@ -246,9 +246,8 @@ class EvalConfig:
     eval_iters: int = setting(8, "Validation batches per evaluation.", gt=0)
     tasks: list = setting(
         [],
-        "lm-evaluation-harness tasks run on the training model at each evaluation, logged as eval/<task>/<metric> "
-        "(pip install 'meshformer[eval]'; empty: none). Data-parallel ranks (FSDP too) split the documents; "
-        "pipeline, tensor, context and expert parallel runs are refused.",
+        "lm-eval tasks run at each evaluation, logged as eval/<task>/<metric> (pip install 'meshformer[eval]'); "
+        "data-parallel and FSDP runs only.",
     )
     include_path: str = setting("", "A folder of task YAMLs of your own for tasks, beside lm-eval's.")
     num_fewshot: int | None = setting(None, "Few-shot examples per prompt for tasks (default: each task's own).", ge=0)
