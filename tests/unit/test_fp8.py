@@ -151,3 +151,24 @@ def test_precomputed_fsdp_scales_run_after_each_optimizer_step_only_when_asked(m
     monkeypatch.setattr(torchao_float8(), "precompute_float8_dynamic_scale_for_fsdp", seen.append)
     hook.after_optimizer_step(1)
     assert seen == parts.parts
+
+
+def test_the_fp8_all_gather_gathers_the_converted_weights_at_one_byte():
+    """FSDP2's FP8 all-gather (tensorwise, enable_fsdp_float8_all_gather) gathers a converted linear's weight in
+    FP8: the plan's FSDP term (two layers' gathered weights) loses one byte per converted weight element of those two
+    layers, everything else (norms, and the bf16 plan's other terms) unchanged."""
+    fp8 = _plan({**LLAMA31_8B, "fp8_config.enable": True})
+    gather = _plan({**LLAMA31_8B, "fp8_config.enable": True, "fp8_config.enable_fsdp_float8_all_gather": True})
+    h, kv, f = 4096, 1024, 14336
+    per_layer = 2 * h * h + 2 * h * kv + 3 * h * f  # a layer's converted linears
+    (a,), (b,) = fp8.stages, gather.stages
+    assert a.fsdp_gathered_bytes - b.fsdp_gathered_bytes == 2 * per_layer * (2 - 1)
+    assert b.fsdp_gathered_bytes > 0 and a.memory == b.memory
+    # without FSDP nothing is gathered, FP8 or not
+    one = {**LLAMA31_8B, "parallel_config.data_parallel": 1, "parallel_config.optimizer_shard": False}
+    assert (
+        _plan({**one, "fp8_config.enable": True, "fp8_config.enable_fsdp_float8_all_gather": True})
+        .stages[0]
+        .fsdp_gathered_bytes
+        == 0
+    )
