@@ -28,6 +28,7 @@ Step time = compute / (1 - bubble) + tensor-parallel, pipeline, all-to-all and K
 path) + swap
 + the part of the data-parallel transfers that does not hide behind the backward pass (assumed: all but 20% of compute).
 FP8 linears (fp8_config, on a device with FP8 units): their matmuls at the FP8 peak, casts paid (planner/fp8.py).
+QLoRA's NF4 base: its dequantization in every forward and backward, at HBM bandwidth (planner/nf4.py).
 Bubble = (p - 1) / (m + p - 1) for GPipe and 1F1B, divided by v for interleaved schedules with v stages per rank.
 """
 
@@ -43,6 +44,7 @@ from meshformer.planner.accelerators import Accelerator
 from meshformer.planner.experts import expert_figures
 from meshformer.planner.extra_work import prepass_share, recompute_share
 from meshformer.planner.fp8 import fp8_figures
+from meshformer.planner.nf4 import nf4_dequant_s
 
 
 @dataclass
@@ -70,6 +72,7 @@ class Throughput:
     cp_s: float = 0.0  # their time (on the critical path: attention waits for the gathered keys)
     fp8_share: float = 0.0  # fp8_config: share of the model FLOPs that run in FP8 (planner/fp8.py)
     fp8_saved_s: float = 0.0  # ... and the compute time per rank and step that FP8 saves, casts paid
+    nf4_dequant_s: float = 0.0  # QLoRA: per rank and step, dequantizing the NF4 base weights (planner/nf4.py)
 
 
 def flops_per_token(cfg: MeshformerConfig) -> float:
@@ -106,6 +109,8 @@ def predict(
     fp8 = fp8_figures(cfg, dims, acc, tokens, n_micro, fpt) if low else None
     if fp8 is not None:
         compute -= fp8.saved_s
+    dequant_s = nf4_dequant_s(cfg, dims, acc, n_micro)
+    compute += dequant_s
     bubble = bubble_fraction(cfg, n_micro)
 
     T, h, L = micro_batch * mc.seq_length // dims.cp, mc.hidden_size, mc.num_layers  # a cp rank's tokens
@@ -157,6 +162,7 @@ def predict(
         cp_s,
         fp8.flops_share if fp8 else 0.0,
         fp8.saved_s if fp8 else 0.0,
+        dequant_s,
     )
 
 
