@@ -212,3 +212,10 @@ def dtensor_local(t: torch.Tensor) -> torch.Tensor:
     """A DTensor's local shard as it is stored, outside autograd (DTensor._local_tensor, torch 2.13.0); any other
     tensor itself."""
     return t._local_tensor if hasattr(t, "_local_tensor") else t
+
+
+def tp_style_output_fn(style: type):
+    """The static function a tensor-parallel style applies to its module's output
+    (ParallelStyle._prepare_output_fn of ColwiseParallel / RowwiseParallel, torch 2.13.0): parallel/float8.py gives
+    torchao's FP8 styles the plain styles' output step for a linear with a bias."""
+    return style._prepare_output_fn
