@@ -29,14 +29,21 @@ VOCAB = 128
 # A tiny Llama with every optional piece switched on: GQA (8 q heads, 4 kv heads), q/k/v bias (Qwen2),
 # q/k norm (Qwen3). 4 layers so pp2 with two virtual stages per rank has one layer per stage.
 MODEL = {
-    "model.model_config.hidden_size": 64, "model.model_config.num_layers": 4, "model.model_config.num_heads": 8,
-    "model.model_config.n_kv_heads": 4, "model.model_config.intermediate_size": 128,
-    "model.model_config.vocab_size": VOCAB, "model.model_config.seq_length": SEQ,
-    "model.model_config.qkv_has_bias": True, "model.model_config.use_qk_norm": True,
+    "model.model_config.hidden_size": 64,
+    "model.model_config.num_layers": 4,
+    "model.model_config.num_heads": 8,
+    "model.model_config.n_kv_heads": 4,
+    "model.model_config.intermediate_size": 128,
+    "model.model_config.vocab_size": VOCAB,
+    "model.model_config.seq_length": SEQ,
+    "model.model_config.qkv_has_bias": True,
+    "model.model_config.use_qk_norm": True,
     "seed": 7,
     # AdamW (lr 1e-3, betas 0.9/0.95, weight decay 0.1 off norms and biases) at a constant rate, clipped at 1.0.
-    "optimizer.learning_rate": 1e-3, "lr_schedule.type": "constant",
-    "optimizer.weight_decay": 0.1, "runner_wrapper.max_grad_norm": 1.0,
+    "optimizer.learning_rate": 1e-3,
+    "lr_schedule.type": "constant",
+    "optimizer.weight_decay": 0.1,
+    "runner_wrapper.max_grad_norm": 1.0,
     # fp32 linears on oneDNN on every CPU (auto picks it only on some): each layout proves it against the single
     # process; tensor parallelism's DTensor weights and the zero-bubble schedules take BLAS (backends/cpu.py).
     "cpu_matmul": "onednn",
@@ -55,23 +62,60 @@ CASES = {
     "tp2_sp_accum": ({P + "model_parallel": 2, P + "use_seq_parallel": True}, 2),
     "tp2_sp_rc": ({P + "model_parallel": 2, P + "use_seq_parallel": True, "recompute_config.recompute": True}, 1),
     "fsdp2": ({P + "data_parallel": 2, P + "optimizer_shard": True}, 1),
-    "fsdp2_zero3_rc_accum": ({P + "data_parallel": 2, P + "optimizer_shard": True, "recompute_config.recompute": True,
-                              "recompute_config.parallel_optimizer_comm_recompute": True}, 2),
-    **{f"pp2_{s}{rc}": ({P + "pipeline_stage": 2, P + "micro_batch_num": 4, P + "pipeline_schedule": s,
-                         P + "pp_interleave_num": 2 if s in ("interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble") else 1,
-                         "recompute_config.recompute": rc == "_rc"}, 4)
-       for s in ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble", "zbv_zero_bubble",
-                 "dualpipev") for rc in ("", "_rc")},
+    "fsdp2_zero3_rc_accum": (
+        {
+            P + "data_parallel": 2,
+            P + "optimizer_shard": True,
+            "recompute_config.recompute": True,
+            "recompute_config.parallel_optimizer_comm_recompute": True,
+        },
+        2,
+    ),
+    **{
+        f"pp2_{s}{rc}": (
+            {
+                P + "pipeline_stage": 2,
+                P + "micro_batch_num": 4,
+                P + "pipeline_schedule": s,
+                P + "pp_interleave_num": 2 if s in ("interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble") else 1,
+                "recompute_config.recompute": rc == "_rc",
+            },
+            4,
+        )
+        for s in (
+            "gpipe",
+            "1f1b",
+            "interleaved_1f1b",
+            "looped_bfs",
+            "interleaved_zero_bubble",
+            "zbv_zero_bubble",
+            "dualpipev",
+        )
+        for rc in ("", "_rc")
+    },
     "pp2_1f1b_rc_accum": ({P + "pipeline_stage": 2, P + "micro_batch_num": 4, "recompute_config.recompute": [1, 2]}, 8),
     # selective recompute (keep matmul/attention/collective outputs, recompute the element-wise work)
     "dp2_sel_accum": ({P + "data_parallel": 2, "recompute_config.select_recompute": True}, 2),
-    "tp2_sp_sel": ({P + "model_parallel": 2, P + "use_seq_parallel": True, "recompute_config.select_recompute": True}, 1),
+    "tp2_sp_sel": (
+        {P + "model_parallel": 2, P + "use_seq_parallel": True, "recompute_config.select_recompute": True},
+        1,
+    ),
     "fsdp2_offload_accum": ({P + "data_parallel": 2, P + "optimizer_shard": True, P + "cpu_offload": True}, 2),
     "fsdp2_sel": ({P + "data_parallel": 2, P + "optimizer_shard": True, "recompute_config.select_recompute": True}, 1),
-    "pp2_1f1b_sel": ({P + "pipeline_stage": 2, P + "micro_batch_num": 4, "recompute_config.select_recompute": [1, 2]}, 4),
-    "pp2_interleaved_1f1b_sel": ({P + "pipeline_stage": 2, P + "micro_batch_num": 4, P + "pp_interleave_num": 2,
-                                  P + "pipeline_schedule": "interleaved_1f1b", "recompute_config.select_recompute": True},
-                                 4),
+    "pp2_1f1b_sel": (
+        {P + "pipeline_stage": 2, P + "micro_batch_num": 4, "recompute_config.select_recompute": [1, 2]},
+        4,
+    ),
+    "pp2_interleaved_1f1b_sel": (
+        {
+            P + "pipeline_stage": 2,
+            P + "micro_batch_num": 4,
+            P + "pp_interleave_num": 2,
+            P + "pipeline_schedule": "interleaved_1f1b",
+            "recompute_config.select_recompute": True,
+        },
+        4,
+    ),
     "tp2_sel": ({P + "model_parallel": 2, "recompute_config.select_recompute": True}, 2),
     # 4 processes
     "dp4": ({P + "data_parallel": 4}, 1),
@@ -84,52 +128,163 @@ CASES = {
     "hsdp2x2_accum": ({P + "data_parallel": 4, "optimizer.optimizer_parallel": 2}, 2),
     "dp2xtp2": ({P + "data_parallel": 2, P + "model_parallel": 2}, 2),
     "dp2xtp2_rc": ({P + "data_parallel": 2, P + "model_parallel": 2, "recompute_config.recompute": True}, 1),
-    "dp2xtp2_rc_sel": ({P + "data_parallel": 2, P + "model_parallel": 2, "recompute_config.recompute": [2],
-                        "recompute_config.select_recompute": True}, 2),
-    "fsdp2xtp2_sp_rc": ({P + "data_parallel": 2, P + "model_parallel": 2, P + "use_seq_parallel": True,
-                         "parallel.enable_parallel_optimizer": True, "recompute_config.recompute": True}, 1),
-    "tp2xpp2_sp": ({P + "model_parallel": 2, P + "pipeline_stage": 2, P + "micro_batch_num": 4,
-                    P + "use_seq_parallel": True}, 4),
-    "tp2xpp2_rc_accum": ({P + "model_parallel": 2, P + "pipeline_stage": 2, P + "micro_batch_num": 2,
-                          "recompute_config.recompute": True}, 4),
+    "dp2xtp2_rc_sel": (
+        {
+            P + "data_parallel": 2,
+            P + "model_parallel": 2,
+            "recompute_config.recompute": [2],
+            "recompute_config.select_recompute": True,
+        },
+        2,
+    ),
+    "fsdp2xtp2_sp_rc": (
+        {
+            P + "data_parallel": 2,
+            P + "model_parallel": 2,
+            P + "use_seq_parallel": True,
+            "parallel.enable_parallel_optimizer": True,
+            "recompute_config.recompute": True,
+        },
+        1,
+    ),
+    "tp2xpp2_sp": (
+        {P + "model_parallel": 2, P + "pipeline_stage": 2, P + "micro_batch_num": 4, P + "use_seq_parallel": True},
+        4,
+    ),
+    "tp2xpp2_rc_accum": (
+        {
+            P + "model_parallel": 2,
+            P + "pipeline_stage": 2,
+            P + "micro_batch_num": 2,
+            "recompute_config.recompute": True,
+        },
+        4,
+    ),
     "dp2xpp2": ({P + "data_parallel": 2, P + "pipeline_stage": 2, P + "micro_batch_num": 2}, 2),
-    "dp2xpp2_rc": ({P + "data_parallel": 2, P + "pipeline_stage": 2, P + "micro_batch_num": 2,
-                    "recompute_config.recompute": True}, 4),
-    "fsdp2xpp2": ({P + "data_parallel": 2, P + "pipeline_stage": 2, P + "micro_batch_num": 4,
-                   P + "optimizer_shard": True, P + "pipeline_schedule": "interleaved_1f1b", P + "pp_interleave_num": 2}, 4),
+    "dp2xpp2_rc": (
+        {P + "data_parallel": 2, P + "pipeline_stage": 2, P + "micro_batch_num": 2, "recompute_config.recompute": True},
+        4,
+    ),
+    "fsdp2xpp2": (
+        {
+            P + "data_parallel": 2,
+            P + "pipeline_stage": 2,
+            P + "micro_batch_num": 4,
+            P + "optimizer_shard": True,
+            P + "pipeline_schedule": "interleaved_1f1b",
+            P + "pp_interleave_num": 2,
+        },
+        4,
+    ),
     # 8 processes
-    "dp2xtp2xpp2": ({P + "data_parallel": 2, P + "model_parallel": 2, P + "pipeline_stage": 2,
-                     P + "micro_batch_num": 2}, 2),
-    "dp2xtp2xpp2_rc_accum": ({P + "data_parallel": 2, P + "model_parallel": 2, P + "pipeline_stage": 2,
-                              P + "micro_batch_num": 2, "recompute_config.recompute": True}, 4),
-    "dp2xtp2xpp2_sel": ({P + "data_parallel": 2, P + "model_parallel": 2, P + "pipeline_stage": 2,
-                         P + "micro_batch_num": 2, "recompute_config.select_recompute": True}, 2),
-    "fsdp2xtp2xpp2_sp_rc": ({P + "data_parallel": 2, P + "model_parallel": 2, P + "pipeline_stage": 2,
-                             P + "micro_batch_num": 2, P + "optimizer_shard": True, P + "use_seq_parallel": True,
-                             "recompute_config.recompute": True}, 4),
+    "dp2xtp2xpp2": (
+        {P + "data_parallel": 2, P + "model_parallel": 2, P + "pipeline_stage": 2, P + "micro_batch_num": 2},
+        2,
+    ),
+    "dp2xtp2xpp2_rc_accum": (
+        {
+            P + "data_parallel": 2,
+            P + "model_parallel": 2,
+            P + "pipeline_stage": 2,
+            P + "micro_batch_num": 2,
+            "recompute_config.recompute": True,
+        },
+        4,
+    ),
+    "dp2xtp2xpp2_sel": (
+        {
+            P + "data_parallel": 2,
+            P + "model_parallel": 2,
+            P + "pipeline_stage": 2,
+            P + "micro_batch_num": 2,
+            "recompute_config.select_recompute": True,
+        },
+        2,
+    ),
+    "fsdp2xtp2xpp2_sp_rc": (
+        {
+            P + "data_parallel": 2,
+            P + "model_parallel": 2,
+            P + "pipeline_stage": 2,
+            P + "micro_batch_num": 2,
+            P + "optimizer_shard": True,
+            P + "use_seq_parallel": True,
+            "recompute_config.recompute": True,
+        },
+        4,
+    ),
 }
 # Expert parallelism, run with the "moe" variant: ep borrows the parameter-sharding data-parallel ranks.
 EP_CASES = {
     "fsdp2_ep2": ({P + "data_parallel": 2, P + "optimizer_shard": True, P + "expert_parallel": 2}, 1),
-    "fsdp2_ep2_rc_accum": ({P + "data_parallel": 2, P + "optimizer_shard": True, P + "expert_parallel": 2,
-                            "recompute_config.recompute": True}, 2),
-    "fsdp2_ep2_sel": ({P + "data_parallel": 2, P + "optimizer_shard": True, P + "expert_parallel": 2,
-                       "recompute_config.select_recompute": True}, 2),
+    "fsdp2_ep2_rc_accum": (
+        {
+            P + "data_parallel": 2,
+            P + "optimizer_shard": True,
+            P + "expert_parallel": 2,
+            "recompute_config.recompute": True,
+        },
+        2,
+    ),
+    "fsdp2_ep2_sel": (
+        {
+            P + "data_parallel": 2,
+            P + "optimizer_shard": True,
+            P + "expert_parallel": 2,
+            "recompute_config.select_recompute": True,
+        },
+        2,
+    ),
     "fsdp4_ep4": ({P + "data_parallel": 4, P + "optimizer_shard": True, P + "expert_parallel": 4}, 1),
     "fsdp4_ep2_accum": ({P + "data_parallel": 4, P + "optimizer_shard": True, P + "expert_parallel": 2}, 2),
     "hsdp2x2_ep2": ({P + "data_parallel": 4, "optimizer.optimizer_parallel": 2, P + "expert_parallel": 2}, 1),
-    "fsdp2xtp2_ep2": ({P + "data_parallel": 2, P + "optimizer_shard": True, P + "model_parallel": 2,
-                       P + "expert_parallel": 2}, 2),
-    "fsdp2xtp2_sp_ep2_sel": ({P + "data_parallel": 2, P + "optimizer_shard": True, P + "model_parallel": 2,
-                              P + "use_seq_parallel": True, P + "expert_parallel": 2,
-                              "recompute_config.select_recompute": True}, 1),
-    "fsdp2xpp2_ep2": ({P + "data_parallel": 2, P + "optimizer_shard": True, P + "pipeline_stage": 2,
-                       P + "micro_batch_num": 4, P + "expert_parallel": 2}, 4),
+    "fsdp2xtp2_ep2": (
+        {P + "data_parallel": 2, P + "optimizer_shard": True, P + "model_parallel": 2, P + "expert_parallel": 2},
+        2,
+    ),
+    "fsdp2xtp2_sp_ep2_sel": (
+        {
+            P + "data_parallel": 2,
+            P + "optimizer_shard": True,
+            P + "model_parallel": 2,
+            P + "use_seq_parallel": True,
+            P + "expert_parallel": 2,
+            "recompute_config.select_recompute": True,
+        },
+        1,
+    ),
+    "fsdp2xpp2_ep2": (
+        {
+            P + "data_parallel": 2,
+            P + "optimizer_shard": True,
+            P + "pipeline_stage": 2,
+            P + "micro_batch_num": 4,
+            P + "expert_parallel": 2,
+        },
+        4,
+    ),
     "fsdp8_ep4_accum": ({P + "data_parallel": 8, P + "optimizer_shard": True, P + "expert_parallel": 4}, 2),
-    "fsdp4xtp2_ep4_rc": ({P + "data_parallel": 4, P + "optimizer_shard": True, P + "model_parallel": 2,
-                          P + "expert_parallel": 4, "recompute_config.recompute": True}, 1),
-    "fsdp2xtp2xpp2_ep2": ({P + "data_parallel": 2, P + "optimizer_shard": True, P + "model_parallel": 2,
-                           P + "pipeline_stage": 2, P + "micro_batch_num": 2, P + "expert_parallel": 2}, 2),
+    "fsdp4xtp2_ep4_rc": (
+        {
+            P + "data_parallel": 4,
+            P + "optimizer_shard": True,
+            P + "model_parallel": 2,
+            P + "expert_parallel": 4,
+            "recompute_config.recompute": True,
+        },
+        1,
+    ),
+    "fsdp2xtp2xpp2_ep2": (
+        {
+            P + "data_parallel": 2,
+            P + "optimizer_shard": True,
+            P + "model_parallel": 2,
+            P + "pipeline_stage": 2,
+            P + "micro_batch_num": 2,
+            P + "expert_parallel": 2,
+        },
+        2,
+    ),
 }
 # Variants of the model (each has its own single-process reference).
 VARIANTS = {
@@ -250,8 +405,9 @@ FP8_VARIANTS = {
     "fp8": {**VARIANTS["bf16"], "fp8_config.enable": True},
     "fp8_fp32": {**VARIANTS["bf16"], "fp8_config.enable": True},
     "fp8_gw_fp32": {**VARIANTS["bf16"], "fp8_config.enable": True, "fp8_config.recipe": "rowwise_with_gw_hp"},
+    "fp8_rw_fp32": {**VARIANTS["bf16"], "fp8_config.enable": True, "fp8_config.recipe": "rowwise"},
 }
-FP8_FP32 = ("fp8_fp32", "fp8_gw_fp32")
+FP8_FP32 = ("fp8_fp32", "fp8_gw_fp32", "fp8_rw_fp32")
 
 
 def variant_cfg(variant: str, case: str | None = None):
@@ -408,10 +564,21 @@ def train_steps(
     for step in steps:
         schedule.apply(step)
         docs = None if documents is None else documents[step, rows].to(env.device)
-        r = train_step(parts, opt, env, inputs[step, rows].to(env.device), labels[step, rows].to(env.device),
-                       n_micro=n_micro, ignore_index=cfg.model.model_config.ignore_token_id,
-                       max_grad_norm=clip_threshold(cfg), documents=docs, hooks=list(hooks), step=step + 1,
-                       loss_scale=scaler.scale, objective=objective)
+        r = train_step(
+            parts,
+            opt,
+            env,
+            inputs[step, rows].to(env.device),
+            labels[step, rows].to(env.device),
+            n_micro=n_micro,
+            ignore_index=cfg.model.model_config.ignore_token_id,
+            max_grad_norm=clip_threshold(cfg),
+            documents=docs,
+            hooks=list(hooks),
+            step=step + 1,
+            loss_scale=scaler.scale,
+            objective=objective,
+        )
         scaler.update(not r.skipped)
         preference = [r.metrics[k] for k in PREFERENCE_METRICS if k in r.metrics]
         out.append((r.loss, r.grad_norm, *(r.aux_losses[k] for k in sorted(r.aux_losses)), *preference))
