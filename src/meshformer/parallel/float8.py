@@ -148,8 +148,8 @@ def _listed(kept: dict[str, str], limit: int = 6) -> str:
 
 
 def float8_kind(module: nn.Module) -> str:
-    """ "tensorwise" for a torchao Float8Linear whose recipe scales per tensor (tensor parallelism gives it
-    torchao's FP8 styles), "tensorwise_bias" for one with a bias (float8_bias_styles), "" for any other module."""
+    """How tensor parallelism treats a module: "tensorwise" for a torchao Float8Linear whose recipe scales per
+    tensor (torchao's FP8 styles), "tensorwise_bias" for one with a bias (float8_bias_styles), "" otherwise."""
     import sys
 
     if "torchao.float8" not in sys.modules:  # no FP8 linear can exist before torchao.float8 is imported
