@@ -11,12 +11,12 @@ difference; against the accumulating process every scale is the same and fsdp2 m
 step (measured: equal up to 1e-7). Under tp2 the reference is one process over the whole batch: every scale of the
 first step matches (weights, activations and output gradients within 5e-7, torchao reducing the max-abs of a
 sharded DTensor over the mesh) and so does the first step, bias gradients included (parallel/float8.py:
-float8_bias_styles). Later tp2 steps drift (measured up to 2e-4 in the loss, 1.4e-3 in the grad norm over 5 steps):
-tensor parallelism sums partial matmuls in another order (1e-7), an element moved across an FP8 rounding boundary
-changes by a whole FP8 step (2^-4 relative for e4m3, 2^-3 for e5m2 gradients), and AdamW's early updates (about lr
-x the sign of the gradient) carry such a flip into every later step. Held after the first tp2 step: 5e-3 in the loss
-(an FP8 rounding, 2^-4, times the few percent of its effect that survives averaging over ~230 tokens) and 5e-2 in the
-grad norm; the bf16 variants to the same bounds on every step (bf16's own rounding on top).
+float8_bias_styles). Later tp2 steps drift (measured up to 2e-4 in the loss, 1.4e-3 in the grad norm over 5 steps),
+for a reason not found yet: it is not only reduction order amplified by AdamW, because with a learning rate of
+1e-12 (the weights unchanged) tp2's step on the second batch still differs from one process's (loss 2.8e-6, grad
+norm 5e-4, parameter gradients 2 to 4%) while its first batch matches within 1e-7. Held after the first tp2 step:
+5e-3 in the loss and 5e-2 in the grad norm; the bf16 variants to the same bounds on every step (bf16's own
+rounding on top).
 """
 
 from __future__ import annotations
