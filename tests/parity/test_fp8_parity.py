@@ -12,9 +12,11 @@ step (measured: equal up to 1e-7). Under tp2 the reference is one process over t
 first step matches (weights, activations and output gradients within 5e-7, torchao reducing the max-abs of a
 sharded DTensor over the mesh) and so does the first step, bias gradients included (parallel/float8.py:
 float8_bias_styles). Later tp2 steps drift (measured up to 2e-4 in the loss, 1.4e-3 in the grad norm over 5 steps),
-for a reason not found yet: it is not only reduction order amplified by AdamW, because with a learning rate of
-1e-12 (the weights unchanged) tp2's step on the second batch still differs from one process's (loss 2.8e-6, grad
-norm 5e-4, parameter gradients 2 to 4%) while its first batch matches within 1e-7. Held after the first tp2 step:
+and that is FP8 rounding, not an error: with a learning rate of 1e-12 (weights unchanged) tp2's second batch differs
+from one process's (loss 2.8e-6) through one element: layer 2's down_proj output differs in one token's row (1.8e-4)
+and nowhere else (1e-8), the mark of one input value that tensor parallelism's other matmul blocking moved by 1e-7
+across an e4m3 rounding boundary (a whole FP8 step, 2^-4 relative); what follows it crosses many e5m2 boundaries in
+backward (percents in some parameter gradients), and AdamW carries that on. Held after the first tp2 step:
 5e-3 in the loss and 5e-2 in the grad norm; the bf16 variants to the same bounds on every step (bf16's own
 rounding on top).
 """
