@@ -412,8 +412,9 @@ FP8_VARIANTS = {
     "fp8": {**VARIANTS["bf16"], "fp8_config.enable": True},
     "fp8_fp32": {**VARIANTS["bf16"], "fp8_config.enable": True},
     "fp8_gw_fp32": {**VARIANTS["bf16"], "fp8_config.enable": True, "fp8_config.recipe": "rowwise_with_gw_hp"},
+    "fp8_rw_fp32": {**VARIANTS["bf16"], "fp8_config.enable": True, "fp8_config.recipe": "rowwise"},
 }
-FP8_FP32 = ("fp8_fp32", "fp8_gw_fp32")
+FP8_FP32 = ("fp8_fp32", "fp8_gw_fp32", "fp8_rw_fp32")
 
 
 def variant_cfg(variant: str, case: str | None = None):

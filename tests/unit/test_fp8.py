@@ -151,3 +151,62 @@ def test_precomputed_fsdp_scales_run_after_each_optimizer_step_only_when_asked(m
     monkeypatch.setattr(torchao_float8(), "precompute_float8_dynamic_scale_for_fsdp", seen.append)
     hook.after_optimizer_step(1)
     assert seen == parts.parts
+
+
+def test_the_fp8_all_gather_gathers_the_converted_weights_at_one_byte():
+    """FSDP2's FP8 all-gather (tensorwise, enable_fsdp_float8_all_gather) gathers a converted linear's weight in
+    FP8: the plan's FSDP term (two layers' gathered weights) loses one byte per converted weight element of those two
+    layers, everything else (norms, and the bf16 plan's other terms) unchanged."""
+    fp8 = _plan({**LLAMA31_8B, "fp8_config.enable": True})
+    gather = _plan({**LLAMA31_8B, "fp8_config.enable": True, "fp8_config.enable_fsdp_float8_all_gather": True})
+    h, kv, f = 4096, 1024, 14336
+    per_layer = 2 * h * h + 2 * h * kv + 3 * h * f  # a layer's converted linears
+    (a,), (b,) = fp8.stages, gather.stages
+    assert a.fsdp_gathered_bytes - b.fsdp_gathered_bytes == 2 * per_layer * (2 - 1)
+    assert b.fsdp_gathered_bytes > 0 and a.memory == b.memory
+    # without FSDP nothing is gathered, FP8 or not
+    one = {**LLAMA31_8B, "parallel_config.data_parallel": 1, "parallel_config.optimizer_shard": False}
+    assert (
+        _plan({**one, "fp8_config.enable": True, "fp8_config.enable_fsdp_float8_all_gather": True})
+        .stages[0]
+        .fsdp_gathered_bytes
+        == 0
+    )
+
+
+def test_a_biased_fp8_linear_under_tensor_parallelism_gets_the_unrounded_bias_gradient(tmp_path):
+    """torchao's FP8 column style casts the output gradient to e5m2 after the module's bias add, so the bias gradient
+    would be summed from FP8-rounded values; the style parallel/tp.py gives a biased tensorwise linear
+    (parallel/float8.py float8_bias_styles) leaves that cast to the Float8Linear's matmul, as one process has it. On
+    a one-rank mesh the sharding is trivial, so the style's own arithmetic is all that differs."""
+    import copy
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from meshformer.parallel.tp import make_style
+
+    float8 = torchao_float8()
+    own = not dist.is_initialized()
+    if own:
+        dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        torch.manual_seed(0)
+        base, x = nn.Sequential(nn.Linear(64, 32)), torch.randn(4, 16, 64)
+        config = float8.Float8LinearConfig(emulate=True)
+        grads = {}
+        for kind in ("one process", "tensorwise", "tensorwise_bias"):
+            model = float8.convert_to_float8_training(copy.deepcopy(base), config=config)
+            if kind != "one process":
+                parallelize_module(model[0], mesh, make_style("colwise", False, kind))
+            model(x).pow(2).sum().backward()
+            bias = model[0].bias.grad
+            grads[kind] = bias.full_tensor() if hasattr(bias, "full_tensor") else bias
+    finally:
+        if own:
+            dist.destroy_process_group()
+    ref = grads["one process"]
+    assert torch.allclose(grads["tensorwise_bias"], ref, rtol=1e-6, atol=0)
+    assert (grads["tensorwise"] - ref).norm() / ref.norm() > 1e-3  # torchao's own style: rounded to e5m2 first

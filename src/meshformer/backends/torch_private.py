@@ -220,3 +220,10 @@ def dispatch_mode_base() -> type:
     from torch.utils._python_dispatch import TorchDispatchMode
 
     return TorchDispatchMode
+
+
+def tp_style_output_fn(style: type):
+    """The static function a tensor-parallel style applies to its module's output
+    (ParallelStyle._prepare_output_fn of ColwiseParallel / RowwiseParallel, torch 2.13.0): parallel/float8.py gives
+    torchao's FP8 styles the plain styles' output step for a linear with a bias."""
+    return style._prepare_output_fn

@@ -147,16 +147,38 @@ def _listed(kept: dict[str, str], limit: int = 6) -> str:
     return ", ".join(items[:limit]) + more or "none"
 
 
-def is_tensorwise_float8(module: nn.Module) -> bool:
-    """A torchao Float8Linear whose recipe scales per tensor: tensor parallelism gives it torchao's FP8 styles."""
+def float8_kind(module: nn.Module) -> str:
+    """How tensor parallelism treats a module: "tensorwise" for a torchao Float8Linear whose recipe scales per
+    tensor (torchao's FP8 styles), "tensorwise_bias" for one with a bias (float8_bias_styles), "" otherwise."""
     import sys
 
     if "torchao.float8" not in sys.modules:  # no FP8 linear can exist before torchao.float8 is imported
-        return False
+        return ""
     from torchao.float8.config import ScalingGranularity
     from torchao.float8.float8_linear import Float8Linear
 
-    return (
-        isinstance(module, Float8Linear)
-        and module.config.cast_config_input.scaling_granularity is ScalingGranularity.TENSORWISE
-    )
+    if not isinstance(module, Float8Linear):
+        return ""
+    if module.config.cast_config_input.scaling_granularity is not ScalingGranularity.TENSORWISE:
+        return ""
+    return "tensorwise_bias" if module.bias is not None else "tensorwise"
+
+
+def float8_bias_styles() -> tuple[type, type]:
+    """torchao's FP8 column and row styles for a linear with a bias: the input still cast to FP8 before it is
+    gathered, the output left as the plain styles leave it. torchao's own output step casts the output gradient to
+    FP8 after the module's bias add, so the bias gradient would be summed from FP8-rounded values (off by percents
+    against one process, whose Float8Linear adds the bias outside its FP8 matmul); here the Float8Linear's own
+    backward casts the gradient of its matmul, over the whole (DTensor) tensor, and the bias sees it unrounded."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+    from torchao.float8.float8_tensor_parallel import Float8ColwiseParallel, Float8RowwiseParallel
+
+    from meshformer.backends.torch_private import tp_style_output_fn
+
+    class Float8ColwiseParallelBias(Float8ColwiseParallel):
+        _prepare_output_fn = staticmethod(tp_style_output_fn(ColwiseParallel))
+
+    class Float8RowwiseParallelBias(Float8RowwiseParallel):
+        _prepare_output_fn = staticmethod(tp_style_output_fn(RowwiseParallel))
+
+    return Float8ColwiseParallelBias, Float8RowwiseParallelBias

@@ -206,12 +206,13 @@ class MoeBlockParallel(ParallelStyle):
         return module
 
 
-def make_style(name: str, seq_parallel: bool, float8: bool = False) -> ParallelStyle | None:
+def make_style(name: str, seq_parallel: bool, float8: str = "") -> ParallelStyle | None:
     """The torch ParallelStyle of a plan's style name (None: nothing to do in this configuration). `float8`: the
-    module is a tensorwise FP8 linear (parallel/float8.py), whose column and row styles are torchao's."""
+    module is a tensorwise FP8 linear (parallel/float8.py's `float8_kind`), whose column and row styles are
+    torchao's."""
     seq = Shard(1) if seq_parallel else Replicate()
     if float8 and name in FLOAT8_STYLES:
-        return float8_style(name, seq)
+        return float8_style(name, seq, float8 == "tensorwise_bias")
     styles = {
         "colwise": lambda: ColwiseParallel(),
         "rowwise": lambda: RowwiseParallel(output_layouts=seq),
@@ -240,14 +241,18 @@ def make_style(name: str, seq_parallel: bool, float8: bool = False) -> ParallelS
 FLOAT8_STYLES = ("colwise", "rowwise", "rowwise_full")
 
 
-def float8_style(name: str, seq) -> ParallelStyle:
+def float8_style(name: str, seq, bias: bool) -> ParallelStyle:
     """torchao's FP8 column / row styles (torchtitan's tensorwise TP): the input cast to FP8 before it is gathered
-    or scattered, the gradient cast with one scale over the whole tensor."""
+    or scattered, the gradient cast with one scale over the whole tensor. A linear with a bias keeps the plain
+    styles' output (parallel/float8.py: float8_bias_styles)."""
     from torchao.float8.float8_tensor_parallel import Float8ColwiseParallel, Float8RowwiseParallel
 
+    from meshformer.parallel.float8 import float8_bias_styles
+
+    colwise, rowwise = float8_bias_styles() if bias else (Float8ColwiseParallel, Float8RowwiseParallel)
     if name == "colwise":
-        return Float8ColwiseParallel()
-    return Float8RowwiseParallel(output_layouts=seq if name == "rowwise" else Replicate())
+        return colwise()
+    return rowwise(output_layouts=seq if name == "rowwise" else Replicate())
 
 
 def resolve_plan(model: nn.Module, plan: dict[str, str]) -> dict[str, str]:
@@ -274,10 +279,10 @@ def _expand(module: nn.Module, path: str, style: str) -> dict[str, str]:
 
 def apply_tp(model: nn.Module, tp_mesh, plan: dict[str, str], seq_parallel: bool) -> None:
     """Shard a (meta-device, possibly pipeline-trimmed) model over `tp_mesh` in place, following `plan`."""
-    from meshformer.parallel.float8 import is_tensorwise_float8
+    from meshformer.parallel.float8 import float8_kind
 
     resolved = {
-        path: make_style(style, seq_parallel, is_tensorwise_float8(model.get_submodule(path)))
+        path: make_style(style, seq_parallel, float8_kind(model.get_submodule(path)))
         for path, style in resolve_plan(model, plan).items()
     }
     resolved = {path: style for path, style in resolved.items() if style is not None}

@@ -11,6 +11,10 @@ the output gradient in backward (5N), and the transposed FP8 copies the weight g
 read and written); per micro-batch and linear the weight's max-abs, cast and transposed copy (6KN, a tensor-parallel
 rank's share of it). Tensor parallelism's activation casts are counted whole on every rank (an upper bound).
 On a device without FP8 units (`peak_fp8` None) nothing changes: the plan is bf16's and says so.
+
+Memory: with `enable_fsdp_float8_all_gather` (tensorwise, FSDP2) a converted linear's weight is cast to FP8 on its
+shard and gathered in one byte per element instead of the compute dtype's, so the gathered layers' converted
+weights take one byte each (`fp8_gathered_saving`); the planner's FSDP term (planner/plan.py) subtracts the rest.
 """
 
 from __future__ import annotations
@@ -73,3 +77,14 @@ def fp8_figures(
     weight_bytes = 6 * params / (dims.pp * dims.tp) * n_micro
     cast_s = (activation_bytes + weight_bytes) / acc.hbm_bw if acc.hbm_bw else 0.0
     return Fp8Figures(params, share, gemm_s - cast_s, cast_s)
+
+
+def fp8_gathered_saving(cfg: MeshformerConfig, compute_bytes: int) -> int:
+    """Bytes FSDP2's FP8 all-gather saves on one decoder layer's gathered weights (whole, before tensor
+    parallelism's share): the layer's converted linears at one byte per element instead of `compute_bytes`. Zero
+    unless fp8_config gathers in FP8; a layer's share is the model's converted weights over its layers."""
+    fc = cfg.fp8_config
+    if not (fc.enable and fc.enable_fsdp_float8_all_gather) or compute_bytes <= 1:
+        return 0
+    converted = sum(k * n for k, n in fp8_shapes(cfg))
+    return converted * (compute_bytes - 1) // max(1, cfg.model.model_config.num_layers)

@@ -7,7 +7,8 @@ On top of planner/memory.py's model states and saved activations, a rank's peak 
                 none for fused AdamW (the default)
   recompute     one recomputed layer's activations, made again during its backward (after the logits are freed)
   FSDP          the gathered weights of two layers (the one computing and the one prefetched), compute dtype; of an
-                MoE layer under expert parallelism only the rank's experts
+                MoE layer under expert parallelism only the rank's experts; FP8 linears gathered in FP8
+                (fp8_config.enable_fsdp_float8_all_gather) at one byte (planner/fp8.py)
   all-to-all    expert parallelism's send and receive buffers of one layer (planner/experts.py), in forward beside
                 the logits' time or in backward beside a recomputed layer
   runtime       what the framework takes before any tensor (CUDA context, one communicator per parallel
@@ -43,6 +44,7 @@ from meshformer.parallel.dims import ParallelDims
 from meshformer.planner.accelerators import Accelerator
 from meshformer.planner.context_parallel import local_config, with_context_parallel
 from meshformer.planner.experts import ExpertFigures, expert_figures
+from meshformer.planner.fp8 import fp8_gathered_saving
 from meshformer.planner.memory import StageMemory, plan_memory
 from meshformer.planner.second_model import SecondModel, rows_per_sample, second_model
 from meshformer.planner.throughput import Throughput, planned_compiled, predict
@@ -171,7 +173,7 @@ def make_plan(
         logits += second.logits_bytes  # the teacher's, alive with the student's for the loss
         offload = cfg.parallel_config.cpu_offload and acc.name != "cpu"
         step_tmp = 0 if fused else st.grads_bytes  # foreach: one more copy of what it updates
-        gathered = 2 * layer_params // dims.tp * a if dims.dp_shard > 1 else 0
+        gathered = (2 * layer_params // dims.tp * a - 2 * fp8_gathered_saving(cfg, a) // dims.tp) * (dims.dp_shard > 1)
         working = st.activations_bytes + gathered + max(logits + st.autocast_cache_bytes, st.recompute_bytes + a2a)
         # cpu_offload: the shards, gradients and optimizer states (and the step) live in host memory
         host = (st.states_bytes + step_tmp if offload else 0) + st.swapped_bytes

@@ -29,6 +29,7 @@ Step time = compute / (1 - bubble) + tensor-parallel, pipeline, all-to-all and K
 path) + swap
 + the part of the data-parallel transfers that does not hide behind the backward pass (assumed: all but 20% of compute).
 FP8 linears (fp8_config, on a device with FP8 units): their matmuls at the FP8 peak, casts paid (planner/fp8.py).
+QLoRA's NF4 base: its dequantization in every forward and backward, at HBM bandwidth (planner/nf4.py).
 Bubble = (p - 1) / (m + p - 1) for GPipe and 1F1B, divided by v for interleaved schedules with v stages per rank.
 """
 
@@ -44,6 +45,7 @@ from meshformer.planner.accelerators import Accelerator
 from meshformer.planner.experts import expert_figures
 from meshformer.planner.extra_work import prepass_share, recompute_share, selective_recompute_flops_per_token
 from meshformer.planner.fp8 import fp8_figures
+from meshformer.planner.nf4 import nf4_dequant_s
 
 
 @dataclass
@@ -73,6 +75,7 @@ class Throughput:
     fp8_saved_s: float = 0.0  # ... and the compute time per rank and step that FP8 saves, casts paid
     compiled: bool = False  # planned with compiled layers (`compile`, planned_compiled)
     efficiency: float = 0.0  # share of peak the step's hardware FLOPs reach (Accelerator.step_efficiency)
+    nf4_dequant_s: float = 0.0  # QLoRA: per rank and step, dequantizing the NF4 base weights (planner/nf4.py)
 
 
 def flops_per_token(cfg: MeshformerConfig) -> float:
@@ -112,6 +115,15 @@ def step_efficiency(cfg: MeshformerConfig, acc: Accelerator, peak: float, compil
     return acc.step_efficiency(peak, compiled, recomputed, mc.hidden_size, item)
 
 
+def hardware_flops(cfg: MeshformerConfig, fpt: float, tokens: int) -> float:
+    """The FLOPs a step runs: the model's, plus what full recompute repeats of the layers (not the output head),
+    the pre-pass and the matmuls a selective policy recomputes."""
+    mc = cfg.model.model_config
+    layer_share = 1 - 6 * mc.vocab_size * mc.hidden_size * (0 if mc.tie_word_embeddings else 1) / max(fpt, 1)
+    hardware = fpt * tokens * (1 + recompute_share(cfg) * layer_share / 3 + prepass_share(cfg))
+    return hardware + selective_recompute_flops_per_token(cfg) * tokens
+
+
 def predict(
     cfg: MeshformerConfig,
     dims: ParallelDims,
@@ -132,9 +144,7 @@ def predict(
     tokens = global_batch * mc.seq_length
     fpt = flops_per_token(cfg)
     model_flops = fpt * tokens
-    layer_share = 1 - 6 * mc.vocab_size * mc.hidden_size * (0 if mc.tie_word_embeddings else 1) / max(fpt, 1)
-    hardware = model_flops * (1 + recompute_share(cfg) * layer_share / 3 + prepass_share(cfg))
-    hardware += selective_recompute_flops_per_token(cfg) * tokens
+    hardware = hardware_flops(cfg, fpt, tokens)
     world = dims.world_size
     compiled = planned_compiled(cfg, dims, acc)
     efficiency = step_efficiency(cfg, acc, peak, compiled)
@@ -142,6 +152,8 @@ def predict(
     fp8 = fp8_figures(cfg, dims, acc, tokens, n_micro, fpt) if low else None
     if fp8 is not None:
         compute -= fp8.saved_s
+    dequant_s = nf4_dequant_s(cfg, dims, acc, n_micro)
+    compute += dequant_s
     bubble = bubble_fraction(cfg, n_micro)
 
     T, h, L = micro_batch * mc.seq_length // dims.cp, mc.hidden_size, mc.num_layers  # a cp rank's tokens
@@ -190,6 +202,7 @@ def predict(
         fp8.saved_s if fp8 else 0.0,
         compiled,
         efficiency,
+        dequant_s,
     )
 
 
