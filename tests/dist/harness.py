@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from meshformer.config.load import load_config
+from meshformer.config.schema import PIPELINE_SCHEDULES
 from meshformer.interop.base_model import BASE_MODEL_SOURCES
 from meshformer.models.transforms import ModelTransform
 from meshformer.parallel import init_parallel
@@ -89,15 +90,7 @@ CASES = {
             },
             4,
         )
-        for s in (
-            "gpipe",
-            "1f1b",
-            "interleaved_1f1b",
-            "looped_bfs",
-            "interleaved_zero_bubble",
-            "zbv_zero_bubble",
-            "dualpipev",
-        )
+        for s in PIPELINE_SCHEDULES
         for rc in ("", "_rc")
     },
     "pp2_1f1b_rc_accum": ({P + "pipeline_stage": 2, P + "micro_batch_num": 4, "recompute_config.recompute": [1, 2]}, 8),

@@ -28,6 +28,17 @@ __all__ = [
 ]
 
 
+PIPELINE_SCHEDULES = (
+    "gpipe",
+    "1f1b",
+    "interleaved_1f1b",
+    "looped_bfs",
+    "interleaved_zero_bubble",
+    "zbv_zero_bubble",
+    "dualpipev",
+)
+
+
 @dataclass
 class ParallelConfig:
     data_parallel: int = setting(1, "Data-parallel degree: model replicas, each reading different samples.", gt=0)
@@ -70,15 +81,7 @@ class ParallelConfig:
     pipeline_schedule: str = setting(
         "1f1b",
         "Pipeline schedule.",
-        choices=(
-            "gpipe",
-            "1f1b",
-            "interleaved_1f1b",
-            "looped_bfs",
-            "interleaved_zero_bubble",
-            "zbv_zero_bubble",
-            "dualpipev",
-        ),
+        choices=PIPELINE_SCHEDULES,
     )
     pp_interleave_num: int = setting(
         1, "Virtual stages per pipeline rank (interleaved and zero-bubble schedules).", gt=0
