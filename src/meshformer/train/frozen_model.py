@@ -13,7 +13,10 @@ Where it comes from:
   - `starting_weights(parts, lora)`: the policy itself before its first step (`reference: precomputed`'s one pass,
     train/precomputed_reference.py).
 What it computes is the caller's: `map_logits` hands each micro-batch's logits to a function and returns what it
-returned (a reference's per-sequence log-probabilities; a teacher's logits).
+returned (a reference's per-sequence log-probabilities; a teacher's logits). Under pipeline parallelism its stages
+are walked forward-only for all the step's micro-batches before the policy's schedule runs
+(parallel/pipeline_forward.py, as the distillation teacher's are): the function runs on the last stage, the only
+place where the policy's loss reads what it returned.
 """
 
 from __future__ import annotations
@@ -23,20 +26,14 @@ from collections.abc import Callable
 
 import torch
 
-from meshformer.errors import UserError
 from meshformer.models.lora import adapters_off
 from meshformer.parallel import ModelParts
+from meshformer.parallel.pipeline_forward import pipeline_forward
 
 
 class FrozenModel:
     def __init__(self, parts: ModelParts, context: Callable[[], contextlib.AbstractContextManager] | None = None):
         """parts: the model's pieces on this rank; context: what its forward runs in (adapters off)."""
-        if parts.env.pp_size > 1:
-            raise UserError(
-                "parallel_config.pipeline_stage > 1: a frozen second model (the preference reference) does not "
-                "run under pipeline parallelism yet: use data, tensor or context parallelism, or a reference-free "
-                "method (simpo)"
-            )
         self.parts = parts
         self.context = context or contextlib.nullcontext
         self.owns_weights = context is None
@@ -77,18 +74,29 @@ class FrozenModel:
     @torch.no_grad()
     def map_logits(self, inputs: torch.Tensor, documents: torch.Tensor | None, n_micro: int, fn: Callable) -> list:
         """[fn(logits, i) for each of the n_micro micro-batches of this rank's rows], forward only, in eval mode,
-        with the policy's autocast and (tensor parallelism) its vocab-sharded loss context."""
-        parts, model = self.parts, self.parts.parts[0]
-        was_training = model.training
+        with the policy's autocast and (tensor parallelism) its vocab-sharded loss context. Under pipeline
+        parallelism the stages are walked forward-only for every micro-batch (parallel/pipeline_forward.py), the
+        same micro-batches the policy's schedule then runs: the list is on the rank holding the last stage, where
+        the policy's loss reads it, and [] on the others."""
+        parts = self.parts
+        was_training = parts.parts[0].training
         parts.train(False)
-        out = []
-        docs = documents.chunk(n_micro) if documents is not None else [None] * n_micro
         try:
-            with self.context(), self.measure(), parts.loss_context(), parts.autocast():
-                for i, (x, d) in enumerate(zip(inputs.chunk(n_micro), docs)):
-                    logits = model(x) if d is None else model(x, documents=d)
-                    out.append(fn(logits, i))
-                    del logits
+            with self.context(), self.measure():
+                if parts.env.pp_size > 1:
+                    if documents is not None:  # config validation refuses packing with pipeline_stage > 1
+                        raise ValueError("packed documents are not supported with pipeline parallelism")
+                    return pipeline_forward(parts, inputs, n_micro, fn)
+                return self._micro_batches(inputs, documents, n_micro, fn)
         finally:
             parts.train(was_training)
+
+    def _micro_batches(self, inputs: torch.Tensor, documents: torch.Tensor | None, n_micro: int, fn: Callable):
+        model, out = self.parts.parts[0], []
+        docs = documents.chunk(n_micro) if documents is not None else [None] * n_micro
+        with self.parts.loss_context(), self.parts.autocast():
+            for i, (x, d) in enumerate(zip(inputs.chunk(n_micro), docs)):
+                logits = model(x) if d is None else model(x, documents=d)
+                out.append(fn(logits, i))
+                del logits
         return out

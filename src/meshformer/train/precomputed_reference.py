@@ -5,8 +5,10 @@ The reference of a preference run is its starting weights. Before the first step
 so the one pass runs the policy itself, forward only, in eval mode, under no grad (with its LoRA adapters off,
 which at the start changes nothing but says what is meant), under the run's own layout and arithmetic
 (train/preference_step.py `PreferenceObjective.reference_rows`: the same per-row sums, vocab-sharded under tensor
-parallelism, summed over context-parallel ranks). Every data-parallel rank computes its share of the pairs; one
-sum over the batch ranks gives every rank the whole table, and the step reads the rows of its own micro-batches.
+parallelism, summed over context-parallel ranks, through the pipeline's stages forward-only under pipeline
+parallelism). Every data-parallel rank computes its share of the pairs; one sum over the batch ranks (and the
+pipeline stages: the last one holds the sums) gives every rank the whole table, and the step reads the rows of its
+own micro-batches.
 
 A table is float64 [pairs, 2]: the summed completion log-probability of each pair's chosen and rejected sequence,
 row i for sample index i of the split. The tables are stored with the run (output_dir/reference_logps.safetensors,
@@ -43,7 +45,8 @@ RowLogps = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Ten
 def compute_table(env: ParallelEnv, n_pairs: int, pairs_per_forward: int, read: ReadPairs, logps: RowLogps):
     """float64 [n_pairs, 2] on every rank: each data-parallel rank runs forwards of `pairs_per_forward` pairs
     over its contiguous share, the same number of forwards on every rank (a rank past the end repeats pair 0
-    and drops it: sharded weights gather on every forward), then one sum over the batch ranks."""
+    and drops it: sharded weights gather on every forward), then one sum over the batch ranks and the pipeline
+    stages."""
     dp, rank = env.mesh_size("batch"), env.dp_rank
     table = torch.zeros((n_pairs, 2), dtype=torch.float64, device=env.device)
     per_round = dp * pairs_per_forward
@@ -58,7 +61,9 @@ def compute_table(env: ParallelEnv, n_pairs: int, pairs_per_forward: int, read: 
         rows = logps(inputs.to(dev), labels.to(dev), None if documents is None else documents.to(dev))
         if real:
             table[ids] = rows.to(torch.float64).view(-1, 2)
-    return env.reduce_sum(table, "batch")
+    # under pipeline parallelism only the last stage's ranks hold the sums (zeros elsewhere): the pp sum hands
+    # every stage the table, rank 0 (the first stage) included, which saves it
+    return env.all_reduce_sum_pp(env.reduce_sum(table, "batch"))
 
 
 def reference_table(parts: ModelParts, objective, lora: bool, n_pairs: int, pairs_per_forward: int, read: ReadPairs):

@@ -182,14 +182,16 @@ class PreferenceObjective:
         self, frozen: FrozenModel, inputs: torch.Tensor, labels: torch.Tensor, documents, n_micro: int
     ) -> torch.Tensor:
         """[rows] float64: the frozen model's summed log-probability of each row's completion (this rank's rows,
-        already cut to its cp tokens; the sums cover the whole row), forward only, micro-batch by micro-batch."""
+        already cut to its cp tokens; the sums cover the whole row), forward only, micro-batch by micro-batch.
+        Under pipeline parallelism on the last stage's ranks, where the loss reads them; zeros on the others."""
         chunks = labels.chunk(n_micro)
 
         def reference_logps(logits: torch.Tensor, i: int) -> torch.Tensor:
             return row_logps(logits, chunks[i], self.ignore, self.dtype)
 
         got = frozen.map_logits(inputs, documents, n_micro, reference_logps)
-        return self._cp_sum(torch.cat(got).double(), grad=False)
+        rows = torch.cat(got).double() if got else labels.new_zeros(labels.shape[0], dtype=torch.float64)
+        return self._cp_sum(rows, grad=False)
 
     # ---- per micro-batch -------------------------------------------------------------------------------
     def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
