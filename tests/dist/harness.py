@@ -578,6 +578,8 @@ def precomputed_tables(parts, objective, cfg, env, n_micro: int, packed: bool) -
     lora = cfg.model.model_config.pet_config.pet_type == "lora"
     pairs_per_forward = GLOBAL_BATCH // env.dp_size // n_micro // 2
     table = reference_table(parts, objective, lora, STEPS * per_step, pairs_per_forward, read)
+    # every rank holds the computed table, also where its stage is not the last (rank 0 saves it in a run)
+    assert bool((table < 0).all()), f"rank {env.rank}: the precomputed table is not the reference's log-probs"
     return PrecomputedReference({"train": table, "validation": table}, {})
 
 

@@ -6,8 +6,11 @@ reference at dp2 and tp2; SimPO and ORPO (no reference) at dp2 and pp2 (1F1B); K
 batch) at dp2 with accumulation, tp2 and cp2 with accumulation. Loss, gradient norm, TRL's rewards and
 log-probs of every step and the validation loss within 1e-5 relative (fp32); DPO under bf16 autocast at dp2 and tp2
 within BF16_RTOL of both the bf16 and the fp32 one-process runs; `reference: precomputed` (each rank reading its
-own pairs' stored log-probs) at dp2 and tp2, and in one process equal to the frozen copy. All cases in ONE
-2-process launch (tests/dist/preference_worker.py)."""
+own pairs' stored log-probs) at dp2 and tp2, and in one process equal to the frozen copy. Under pipeline
+parallelism (the reference's stages walked forward-only before the policy's schedule, its log-probs kept on the
+last stage): DPO against the frozen copy at pp2 under 1F1B and ZBV (whose last stage sits on the first rank), LoRA
+against the adapters-off reference, `precomputed` (its one pass through the pipeline) and KTO (its KL rows through
+the policy's stages), each at pp2 (1F1B). All cases in ONE 2-process launch (tests/dist/preference_worker.py)."""
 
 from __future__ import annotations
 
@@ -45,6 +48,12 @@ SPECS = [
     "dp2_accum:kto",
     "tp2:kto",
     "cp2_accum:kto",
+    # a reference under pipeline parallelism: its stages walked forward-only before the policy's schedule
+    "pp2_1f1b:dpo",
+    "pp2_zbv_zero_bubble:dpo",
+    "pp2_1f1b:dpo_lora",
+    "pp2_1f1b:dpo_pre",
+    "pp2_1f1b:kto",
 ]
 
 # bf16 autocast (weights, gradients and optimizer states stay fp32) keeps 8 significant bits: a rounding is up to
