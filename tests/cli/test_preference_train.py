@@ -5,16 +5,19 @@ preference eval_loss), and with LoRA `reference: adapter` trains as `reference: 
 `reference: precomputed`: the log-probs computed once before step 1 give the run a frozen copy gives (training and
 validation metrics within 1e-5), are stored with the run (safetensors, checksummed), are read back on a resume
 instead of computed again (the resumed run equals the uninterrupted one exactly), and are refused in one line
-(exit 2, the file kept) when the data is not the one they were computed on, or missing."""
+(exit 2, the file kept) when the data is not the one they were computed on, or missing; under pipeline
+parallelism (pp2, one 2-process launch) the run and its stored log-probs equal one process's."""
 
 from __future__ import annotations
 
 import json
+import subprocess
 
 import pytest
+import torch
 from safetensors import safe_open
 
-from conftest import EMPTY, LORA, dpo_overrides, fails, preference_run_dir
+from conftest import EMPTY, LORA, ROOT, TORCHRUN, dpo_overrides, fails, preference_run_dir, torchrun_env
 from meshformer.cli.train_cmd import run_training  # load_checkpoint: a Hugging Face directory
 from meshformer.config import load_config
 from meshformer.train import precomputed_reference
@@ -170,3 +173,33 @@ def test_kto_resumes_exactly_and_validates(tiny_dataset, tmp_path):
     for r in evaluated:
         assert r["eval_kl"] >= 0 and {"eval_rewards/chosen", "eval_rewards/rejected"} & set(r)  # those it holds
     assert full[0]["kl"] == 0.0 and full[0]["rewards/chosen"] == 0.0  # the policy starts as the reference
+
+
+PIPELINE = {"train_dataset.batch_size": 1, "parallel_config.pipeline_stage": 2, "parallel_config.micro_batch_num": 2}
+
+
+def test_precomputed_under_pipeline_parallelism_equals_one_process(setup, tmp_path):
+    """`reference: precomputed` through the trainer at pp2 (1F1B: the one pass walks the stages forward-only, and
+    rank 0, whose stage is not the last, saves the table), 2 pairs a step as one process's: every step's training
+    and validation metrics and the stored table equal one process's within 1e-5."""
+    pre = {**PRE, "preference_config.reference": "precomputed", "runner_config.stop_step": 4}
+    want = train(setup, tmp_path / "one", pre)
+    out = tmp_path / "pp2"
+    cmd = [*TORCHRUN, "--standalone", "--nproc-per-node", "2", "-m", "meshformer", "train", EMPTY]
+    p = subprocess.run(
+        [*cmd, *overrides(setup, out, {**pre, **PIPELINE})],
+        capture_output=True, text=True, env=torchrun_env(), cwd=ROOT, timeout=600,
+    )  # fmt: skip
+    assert p.returncode == 0, p.stderr[-5000:]
+    got = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in got] == [1, 2, 3, 4] and "eval_loss" in got[-1]
+    for a, b in zip(got, want):
+        for key in (*KEYS, *(f"eval_{k}" for k in KEYS[2:]), "eval_loss"):
+            if key in b:
+                assert close(a[key], b[key]), (a["step"], key, a[key], b[key])
+    tables = []
+    for run in (out, tmp_path / "one"):
+        with safe_open(str(run / precomputed_reference.FILE), "pt") as f:
+            tables.append({k: f.get_tensor(k) for k in f.keys()})
+    for split, table in tables[1].items():
+        assert bool((table < 0).all()) and torch.allclose(tables[0][split], table, rtol=1e-5, atol=0), split
