@@ -2,7 +2,8 @@
 """The kernels of bench_vs_hf's model timed one by one, to decide which step optimisations pay on this machine.
 
 Prints, for fp32 and bf16 (bf16 only where the CPU has bf16 matmul units):
-  1. the model's matmul shapes (forward, input-gradient, weight-gradient) in GFLOP/s against square matmuls, and
+  1. the model's matmul shapes (forward, input-gradient, weight-gradient, the weight gradient in each operand
+     layout, the output projection whole and in chunks) in GFLOP/s against square matmuls, and
      q/k/v and gate/up as three/two matmuls or one fused (a fused projection pays only if it runs faster); in fp32
      also on oneDNN, as `cpu_matmul: onednn` runs them (backends/cpu.py);
   2. attention, forward + backward per layer: SDPA flash, SDPA's math backend, the unfused form (HF "eager":
@@ -57,6 +58,34 @@ def matmuls(dt, tokens: int, h: int, ffn: int, vocab: int) -> None:
             fns = (lambda: onednn_mm(x, w), lambda: onednn_mm(g, w.t()), lambda: weight_grad(g, x))
             rates = [2 * tokens * k * o / best_ms(f) / 1e6 for f in fns]
             print(f"    on oneDNN: forward {rates[0]:.0f}, input grad {rates[1]:.0f}, weight grad {rates[2]:.0f}")
+        weight_grad_layouts(x, g)
+        if o == vocab:
+            vocab_chunks(x, w)
+
+
+def weight_grad_layouts(x: torch.Tensor, g: torch.Tensor) -> None:
+    """dW = g^T x in the layouts a backward may choose: both operands transposed (autograd's own), the transposed
+    product transposed back, and with either operand copied to row-major first (the copy timed in)."""
+    flops = 2 * x.shape[0] * x.shape[1] * g.shape[1]
+    fns = {
+        "g^T x": lambda: g.t() @ x,
+        "(x^T g)^T": lambda: (x.t() @ g).t().contiguous(),
+        "copy g^T": lambda: g.t().contiguous() @ x,
+        "copy x^T": lambda: (x.t().contiguous() @ g).t().contiguous(),
+    }
+    print("    weight grad layouts: " + ", ".join(f"{n} {flops / best_ms(f) / 1e6:.0f}" for n, f in fns.items()))
+
+
+def vocab_chunks(x: torch.Tensor, w: torch.Tensor, chunk: int = 2048) -> None:
+    """The output projection whole against split into `chunk`-column pieces (or row pieces of the tokens)."""
+    flops = 2 * x.shape[0] * x.shape[1] * w.shape[0]
+    rows = max(1, x.shape[0] // 4)
+    fns = {
+        "whole": lambda: x @ w.t(),
+        f"{chunk}-column chunks": lambda: torch.cat([x @ p.t() for p in w.split(chunk)], 1),
+        f"{rows}-row chunks": lambda: torch.cat([p @ w.t() for p in x.split(rows)], 0),
+    }
+    print("    output projection forward: " + ", ".join(f"{n} {flops / best_ms(f) / 1e6:.0f}" for n, f in fns.items()))
 
 
 def attention(dt, batch: int, heads: int, seq: int, head_dim: int) -> None:
