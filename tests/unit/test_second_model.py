@@ -176,3 +176,25 @@ def test_what_each_divergence_saves_for_the_students_backward():
     want = {"forward_kl": 8, "reverse_kl": 12, "forward_kl, top_k": 9, "forward_kl, alpha": 12}
     for name, bytes_ in want.items():
         assert abs(per_entry[name] - bytes_) < 0.01, (name, per_entry[name])
+
+
+def test_a_7b_dpo_full_fine_tune_on_8_ascend_devices_fits_with_a_precomputed_reference(capsys):
+    """The seed's 7B Llama (dp2 x tp2 x pp2), DPO without LoRA, 2 pairs a micro-batch with selective recompute, on
+    8 x 910B (64 GB): the frozen copy's 6.3 GiB a rank does not fit, `precomputed` does and is the first knob;
+    `adapter` is not offered (no adapters to turn off)."""
+    seed = str(ROOT / "configs" / "seed_pretrain_skeleton.yaml")
+    argv = [seed, "--accelerator", "910B", "--model.model_config.compute_dtype", "bfloat16",
+            "--preference_config.method", "dpo", "--train_dataset.batch_size", "2",
+            "--recompute_config.select_recompute", "true"]  # fmt: skip
+    capsys.readouterr()
+    assert main(["doctor", *argv]) == 1
+    out = " ".join(capsys.readouterr().out.split())
+    assert "8 x 910B (64 GB each" in out and "reference: copy: frozen weights 6.28 GiB per rank" in out
+    knobs = out[out.index("out of memory") :]
+    first = knobs[knobs.index("Knobs in the order to try them: - ") :].split(" - ")[1]
+    assert first.startswith("preference_config.reference: precomputed (") and first.endswith(", fits"), first
+    assert "reference: adapter" not in out
+    assert main(["plan", *argv]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "does not fit" in out and "fits with preference_config.reference: precomputed" in out
+    assert "reference: adapter" not in out
