@@ -85,3 +85,17 @@ def test_planner_predicts_what_the_meter_measures_for_a_distillation_run(tiny_da
     states = last["mem_params_bytes"] + last["mem_grads_bytes"] + last["mem_optim_bytes"]
     assert last["peak_mem_bytes"] == states + weights + last["mem_activations_bytes"] + forward
     assert json.loads((tmp_path / "run" / "memory.json").read_text())["0"]["teacher_logits_bytes"] > 0
+
+
+def test_plan_prints_the_teachers_line(tiny_dataset, teachers, tmp_path, capsys):
+    from conftest import EMPTY
+    from meshformer.cli.main import main
+
+    extra = {"distill_config.teacher": str(teachers / "narrow")}
+    capsys.readouterr()
+    assert main(["plan", EMPTY, *tiny_overrides(tiny_dataset, tmp_path / "run", extra), "--accelerator", "cpu"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    line = out[out.index("teacher: frozen weights") :]
+    assert (
+        "GiB kept for the loss, its no_grad forward" in line and "beside the student's (in the logits column)" in line
+    )
