@@ -212,7 +212,7 @@ class MemoryMeter:
             yield None
             return
         counter = counter_for(parts)
-        with counter.hooks(), ForwardCounter(counter):  # hooks: the weights FSDP gathers are not the forward's
+        with ForwardCounter(counter):
             yield counter
 
     @contextlib.contextmanager
