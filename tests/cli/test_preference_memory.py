@@ -13,9 +13,11 @@ from conftest import LORA, preference_run_dir, tiny_overrides
 from meshformer.config import load_config
 from meshformer.parallel.dims import ParallelDims
 from meshformer.planner.accelerators import cpu_accelerator
+from meshformer.planner.memory import plan_memory
 from meshformer.planner.plan import make_plan
+from meshformer.planner.second_model import reference_forward_bytes
 from test_memory import ACTIVATIONS_RTOL, STATES_RTOL, compare
-from test_preference_train import RECORDS, train
+from test_preference_train import KTO_RECORDS, RECORDS, train
 
 
 @pytest.fixture(scope="module")
@@ -24,10 +26,10 @@ def pairs(tiny_dataset, tmp_path_factory):
     return preference_run_dir(tmp_path_factory.mktemp("dpo_mem"), tiny_dataset.parent / "tok", RECORDS, 0.25)
 
 
-def run(root, out, extra: dict):
+def run(root, out, extra: dict, method: str = "dpo"):
     """Two DPO steps of the tiny Llama; (the last metrics record, the planner's stage for the same config)."""
     last = train(root, out, {"runner_config.stop_step": 2, **extra})[-1]
-    cfg = load_config(None, tiny_overrides(root / "data", out, {"preference_config.method": "dpo", **extra}))
+    cfg = load_config(None, tiny_overrides(root / "data", out, {"preference_config.method": method, **extra}))
     cfg.train_dataset.batch_size = 2  # pairs, as train() runs
     batch, accum = cfg.train_dataset.batch_size, cfg.runner_config.gradient_accumulation_steps
     return last, make_plan(cfg, ParallelDims.from_config(cfg, 1), cpu_accelerator(), batch, accum).stages[0]
@@ -73,3 +75,36 @@ def test_precomputed_reference_keeps_nothing_on_the_device(pairs, tmp_path):
     assert stage.second.disk_bytes == 16 * n  # a float64 log-probability per sequence, two a pair, every split
     stored = tmp_path / "run" / "reference_logps.safetensors"  # what the run wrote: the tables and a small header
     assert stage.second.disk_bytes <= stored.stat().st_size <= stage.second.disk_bytes + 4096
+
+
+@pytest.fixture(scope="module")
+def examples(tiny_dataset, tmp_path_factory):
+    """The tiny Llama and unpaired KTO examples (tests/cli/test_preference_train.py's)."""
+    return preference_run_dir(tmp_path_factory.mktemp("kto_mem"), tiny_dataset.parent / "tok", KTO_RECORDS, 0.25)
+
+
+KTO = {"preference_config.method": "kto", "preference_config.loss_type": "kto", "preference_config.beta": 0.5}
+
+
+@pytest.mark.parametrize("reference", ["copy", "adapter"])
+def test_planner_counts_ktos_kl_rows_as_the_meter_measures_them(examples, tmp_path, reference):
+    """A KTO example is two rows: its own and its KL row (its prompt with another example's completion), both
+    through the policy's step and the reference's forward; before the step the policy runs forward only over the
+    KL rows for z0 (the KL pass): half the reference's forward. (`precomputed` is refused for KTO.)"""
+    extra = {**KTO, "preference_config.reference": reference, **(LORA if reference == "adapter" else {})}
+    last, stage = run(examples, tmp_path / "run", extra, "kto")
+    assert compare(last, stage.memory) == []  # the policy's activations: two rows an example
+    cfg = load_config(None, tiny_overrides(examples / "data", tmp_path / "x", extra))
+    dims = ParallelDims.from_config(cfg, 1)
+    one_row = plan_memory(cfg, dims, 2, 1)[0].activations_bytes  # had each example been one row
+    assert stage.memory.activations_bytes > 1.8 * one_row
+    kl = last["mem_kl_forward_bytes"]
+    tokens = 2 * 2 * cfg.model.model_config.seq_length  # 2 examples, 2 rows each
+    assert kl > 0 and abs(reference_forward_bytes(cfg, dims, tokens // 2, True) - kl) <= ACTIVATIONS_RTOL * kl
+    weights, forward = last["mem_reference_bytes"], last["mem_reference_forward_bytes"]
+    assert abs(stage.second.weights_bytes - weights) <= STATES_RTOL * max(weights, 1)
+    assert (weights == 0) == (reference == "adapter")
+    assert abs(stage.second.forward_bytes - forward) <= ACTIVATIONS_RTOL * forward  # all rows: more than the KL pass
+    assert 1.8 * kl < forward < 2.2 * kl
+    states = last["mem_params_bytes"] + last["mem_grads_bytes"] + last["mem_optim_bytes"]
+    assert last["peak_mem_bytes"] == states + weights + max(last["mem_activations_bytes"], forward)

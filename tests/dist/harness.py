@@ -547,6 +547,8 @@ def run(cfg, env, n_micro: int, transforms=None, packed: bool = False) -> tuple[
             objective.reference = precomputed_tables(built.parts, objective, cfg, env, n_micro, packed)
     opt = Optimizers(built.parts.parts, cfg)
     meter = MemoryMeter(env, built.parts, opt)
+    if isinstance(objective, DistillObjective):
+        meter.watch_teacher(objective.teacher)  # tests/parity/test_distill_layouts.py holds the planner to it
     memory = {}
 
     def measure(step: int) -> None:

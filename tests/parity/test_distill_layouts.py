@@ -76,3 +76,49 @@ def test_every_layout_equals_one_process(results, teacher, monkeypatch):
             assert len(mine) == len(ref), (spec, step)
             bad += [f"{spec} step {step}: {a} vs {b}" for a, b in zip(mine, ref) if abs(a - b) > FP32_RTOL * abs(b)]
     assert not bad, "\n".join(bad)
+
+
+def test_planner_predicts_the_teachers_memory_on_every_layout(results, teacher, monkeypatch):
+    """The memory meter's figures of every rank of the launch above against the planner (tests/cli/
+    test_distill_memory.py: the same in one process, with the teacher's logits and forward peak): the student's
+    states and activations (the JSD's saved tensors in them; 10%), the teacher's weights split as the student's
+    (2%), and under pipeline parallelism the logits its pass leaves for the loss: all the step's micro-batches',
+    float32 with the labels, on the rank holding the last stage (ZBV's first), none on the other (2%). Not held:
+    its logits without pipeline parallelism (on data-parallel ranks the meter's count of what the forward leaves
+    alive includes the teacher's FSDP-gathered weights, which stay gathered: docs/posttraining.md; under tensor
+    parallelism it does not see the vocab-sharded DTensor returned), and ZBV's activations on the rank holding the
+    last stage, where the planner keeps the divergence's saved tensors to each micro-batch's weight step: an upper
+    bound, within 25% of the measured peak."""
+    from meshformer.parallel.dims import ParallelDims
+    from meshformer.planner.accelerators import cpu_accelerator
+    from meshformer.planner.plan import make_plan
+    from test_memory import STATES_RTOL, compare
+
+    monkeypatch.setitem(os.environ, harness.DISTILL_TEACHER_ENV, str(teacher))
+    bad, kept = [], {}
+    for spec in SPECS:
+        case, _ = spec.split(":")
+        cfg = harness.variant_cfg("distill", case)
+        dims, n_micro = ParallelDims.from_config(cfg, 2), harness.CASES[case][1]
+        stages = make_plan(cfg, dims, cpu_accelerator(), harness.GLOBAL_BATCH // dims.dp // n_micro, n_micro).stages
+        for rank in range(2):
+            measured = results[f"{spec}:memory:{rank}"]
+            stage = stages[measured["stage"]]
+            found = compare(measured, stage.memory)
+            if "zbv" in case and stage.second.logits_bytes:  # the rank holding the last stage
+                found = [b for b in found if not b.startswith("activations_bytes")]
+                got, bound = measured["mem_activations_bytes"], stage.memory.activations_bytes
+                if not got <= bound <= 1.25 * got:
+                    found.append(f"activations: {bound:,} is no bound within 25% of the measured {got:,}")
+            figures = [("mem_teacher_bytes", stage.second.weights_bytes)]
+            if dims.pp > 1:
+                figures.append(("mem_teacher_logits_bytes", stage.second.logits_bytes))
+            for key, want in figures:
+                if abs(want - measured[key]) > STATES_RTOL * max(measured[key], 1):
+                    found.append(f"{key}: predicted {want:,} measured {measured[key]:,}")
+            bad += [f"{spec} rank {rank}: {b}" for b in found]
+            kept[spec] = max(kept.get(spec, 0), measured["mem_teacher_logits_bytes"])
+    assert not bad, "\n".join(bad)
+    # 1F1B's last stage holds all 16 rows' logits (4 micro-batches of 4) with the labels, float32
+    seq = harness.variant_cfg("distill", "pp2_1f1b").model.model_config.seq_length
+    assert kept["pp2_1f1b:distill"] == 16 * seq * (harness.VOCAB + 1) * 4

@@ -2,8 +2,8 @@
 types at once (sigmoid, ipo, sft: per-pair terms, per-length terms and a token mean) against a frozen copy of the
 starting weights, at dp2 (with accumulation), FSDP, tp2 (with sequence parallelism and accumulation), cp2 (each
 pair's log-probs summed over the ranks, with accumulation), ep2 on the MoE model, and LoRA against the adapters-off
-reference at dp2 and tp2; SimPO and ORPO (no reference) at dp2 and pp2 (1F1B); KTO (its KL estimate over the global
-batch) at dp2 with accumulation, tp2 and cp2 with accumulation. Loss, gradient norm, TRL's rewards and
+reference at dp2 and tp2; SimPO and ORPO (no reference) at dp2 and pp2 (1F1B), ORPO at cp2; KTO (its KL estimate
+over the global batch) at dp2 with accumulation, tp2 and cp2 with accumulation. Loss, gradient norm, TRL's rewards and
 log-probs of every step and the validation loss within 1e-5 relative (fp32); DPO under bf16 autocast at dp2 and tp2
 within BF16_RTOL of both the bf16 and the fp32 one-process runs; `reference: precomputed` (each rank reading its
 own pairs' stored log-probs) at dp2 and tp2, and in one process equal to the frozen copy. Under pipeline
@@ -54,6 +54,7 @@ SPECS = [
     "pp2_1f1b:dpo_lora",
     "pp2_1f1b:dpo_pre",
     "pp2_1f1b:kto",
+    "cp2:orpo",
 ]
 
 # bf16 autocast (weights, gradients and optimizer states stay fp32) keeps 8 significant bits: a rounding is up to

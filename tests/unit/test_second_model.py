@@ -90,10 +90,18 @@ def test_a_teacher_adds_its_weights_and_its_logits(tmp_path):
     s = _plan({"distill_config.teacher": teacher, "distill_config.loss": "jsd"}, micro_batch=2).stages[0]
     assert s.second.kind == "teacher"
     assert s.second.weights_bytes == _llama_params(th, tl, tf, VOCAB) * 4
-    # its float32 output, then its log-probabilities and probabilities (float32) for the divergence
-    assert s.second.logits_bytes == 2 * SEQ * VOCAB * (4 + 8)
-    assert s.logits_bytes == plain.logits_bytes + s.second.logits_bytes
-    assert s.allocated_bytes - plain.allocated_bytes == s.second.weights_bytes + s.second.logits_bytes
+    tokens = 2 * SEQ
+    assert s.second.logits_bytes == tokens * VOCAB * 4  # its output for the loss, float32
+    # its forward's peak: the head's (logits and the final norm's output) or an MLP's three T x ffn tensors
+    assert s.second.forward_bytes == max(tokens * (VOCAB + th) * 4, 3 * tokens * tf * 4)
+    # beside the student's working memory: its logits with the divergence's float32 temporaries (the jsd's tempered
+    # logits, log-probabilities, mixture and terms: about seven tokens x vocab tensors), more than its forward here
+    temporaries = (s.second.beside_bytes - s.second.logits_bytes) / (tokens * VOCAB * 4)
+    assert 6.5 < temporaries < 7 and s.second.beside_bytes > s.second.forward_bytes
+    assert s.logits_bytes == plain.logits_bytes + s.second.beside_bytes
+    saved = s.memory.activations_bytes - plain.memory.activations_bytes  # the jsd's saved tensors, not one log-softmax
+    assert saved > 0
+    assert s.allocated_bytes - plain.allocated_bytes == s.second.weights_bytes + s.second.beside_bytes + saved
     # tensor parallelism splits the teacher as the student: its logits by vocabulary, its weights about in half
     argv = [x for k, v in {**TINY, "distill_config.teacher": teacher, "parallel_config.model_parallel": 2}.items()
             for x in (f"--{k}", str(v))]  # fmt: skip
@@ -101,14 +109,14 @@ def test_a_teacher_adds_its_weights_and_its_logits(tmp_path):
     tp2 = make_plan(cfg, ParallelDims.from_config(cfg, 2), ACCELERATORS["H100"], 2, 1).stages[0].second
     assert tp2.logits_bytes == s.second.logits_bytes // 2
     assert s.second.weights_bytes / 2 < tp2.weights_bytes < 0.51 * s.second.weights_bytes  # norms replicated
-    # pipeline parallelism: the teacher's stages run first, so its logits of all 4 micro-batches (float32) wait on
-    # the last stage; the first stage holds its share of the teacher's weights and no logits
+    # pipeline parallelism: the teacher's stages run first, so its logits of all 4 micro-batches (float32, with the
+    # labels) wait on the last stage; the first stage holds its share of the teacher's weights and no logits
     argv = [x for k, v in {**TINY, "distill_config.teacher": teacher, "parallel_config.pipeline_stage": 2,
                            "parallel_config.micro_batch_num": 4}.items() for x in (f"--{k}", str(v))]  # fmt: skip
     cfg = load_config(None, argv)
     first, last = make_plan(cfg, ParallelDims.from_config(cfg, 2), ACCELERATORS["H100"], 2, 4).stages
     assert first.second.logits_bytes == 0 and first.second.weights_bytes > 0
-    assert last.second.logits_bytes == s.second.logits_bytes + 3 * 2 * SEQ * VOCAB * 4
+    assert last.second.logits_bytes == 4 * tokens * (1 + VOCAB) * 4
 
 
 def test_doctor_says_which_reference_makes_a_run_fit(capsys):
@@ -141,3 +149,52 @@ def test_doctor_says_which_reference_makes_a_run_fit(capsys):
     out = " ".join(capsys.readouterr().out.split())
     assert "fits with preference_config.reference: adapter" in out
     assert "fits with preference_config.reference: precomputed" in out
+
+
+def test_what_each_divergence_saves_for_the_students_backward():
+    """The planner's count of the distillation loss's saved tensors (planner/distill_memory.py), per token and
+    vocabulary entry, against what train/distill_loss.py keeps: forward_kl the student's log-probabilities and the
+    teacher's probabilities (2 float32), reverse_kl the student's log-probabilities, probabilities and their
+    difference with the teacher's (3), top_k a bool support mask more (1 byte), alpha < 1 the cross-entropy's
+    log-softmax more (4)."""
+    from meshformer.planner.distill_memory import loss_saved_bytes
+
+    tokens, vocab = 64, 4096
+    per_entry = {}
+    for name, extra in {
+        "sft": {}, "forward_kl": {"distill_config.loss": "forward_kl"},
+        "reverse_kl": {"distill_config.loss": "reverse_kl"},
+        "forward_kl, top_k": {"distill_config.loss": "forward_kl", "distill_config.top_k": 8},
+        "forward_kl, alpha": {"distill_config.loss": "forward_kl", "distill_config.alpha": 0.5},
+    }.items():  # fmt: skip
+        argv = [x for k, v in {**TINY, **extra}.items() for x in (f"--{k}", str(v))]
+        cfg = load_config(None, argv)
+        if name != "sft":  # the teacher's path is not read by the count
+            cfg.distill_config.teacher = "teacher"
+        per_entry[name] = loss_saved_bytes(cfg, tokens, vocab) / (tokens * vocab)
+    assert per_entry["sft"] == 4  # the cross-entropy's float32 log-softmax
+    want = {"forward_kl": 8, "reverse_kl": 12, "forward_kl, top_k": 9, "forward_kl, alpha": 12}
+    for name, bytes_ in want.items():
+        assert abs(per_entry[name] - bytes_) < 0.01, (name, per_entry[name])
+
+
+def test_a_7b_dpo_full_fine_tune_on_8_ascend_devices_fits_with_a_precomputed_reference(capsys):
+    """The seed's 7B Llama (dp2 x tp2 x pp2), DPO without LoRA, 2 pairs a micro-batch with selective recompute, on
+    8 x 910B (64 GB): the frozen copy's 6.3 GiB a rank does not fit, `precomputed` does and is the first knob;
+    `adapter` is not offered (no adapters to turn off)."""
+    seed = str(ROOT / "configs" / "seed_pretrain_skeleton.yaml")
+    argv = [seed, "--accelerator", "910B", "--model.model_config.compute_dtype", "bfloat16",
+            "--preference_config.method", "dpo", "--train_dataset.batch_size", "2",
+            "--recompute_config.select_recompute", "true"]  # fmt: skip
+    capsys.readouterr()
+    assert main(["doctor", *argv]) == 1
+    out = " ".join(capsys.readouterr().out.split())
+    assert "8 x 910B (64 GB each" in out and "reference: copy: frozen weights 6.28 GiB per rank" in out
+    knobs = out[out.index("out of memory") :]
+    first = knobs[knobs.index("Knobs in the order to try them: - ") :].split(" - ")[1]
+    assert first.startswith("preference_config.reference: precomputed (") and first.endswith(", fits"), first
+    assert "reference: adapter" not in out
+    assert main(["plan", *argv]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "does not fit" in out and "fits with preference_config.reference: precomputed" in out
+    assert "reference: adapter" not in out

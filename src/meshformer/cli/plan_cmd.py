@@ -162,12 +162,17 @@ def _print_second_model(console, plan, d: dict) -> None:
     """A post-training run's reference or teacher (planner/second_model.py), and which reference would fit."""
     from meshformer.planner.doctor import reference_findings
 
-    second = d["stages"][-1]["second_model"]
+    # the rank holding the last stage (a V schedule's first): the logits and the forward's peak are there
+    second = max((s["second_model"] for s in d["stages"]), key=lambda m: (m["forward_bytes"], m["logits_bytes"]))
     weights = max(s["second_model"]["weights_bytes"] for s in d["stages"])
     parts = [f"frozen weights {weights / GIB:.2f} GiB per rank (in allocated)"] if weights else []
-    if second["logits_bytes"]:
-        parts.append(f"its logits {second['logits_bytes'] / GIB:.2f} GiB (in the logits column)")
-    if second["forward_bytes"]:
+    if second["kind"] == "teacher":
+        parts.append(
+            f"its logits {second['logits_bytes'] / GIB:.2f} GiB kept for the loss, its no_grad forward "
+            f"{second['forward_bytes'] / GIB:.2f} GiB at its peak: {second['beside_bytes'] / GIB:.2f} GiB beside the "
+            "student's (in the logits column)"
+        )
+    elif second["forward_bytes"]:
         parts.append(f"its no_grad forward {second['forward_bytes'] / GIB:.2f} GiB at its peak, before the policy's")
     if second["kind"] == "reference: precomputed":
         disk = second["disk_bytes"]

@@ -25,7 +25,8 @@ def _stage_lines(plan: Plan, T: int) -> list[str]:
             f"  weights {_g(m.params_bytes)}, gradients {_g(m.grads_bytes)} (trainable only), AdamW 2 moments + "
             f"steps {_g(m.optimizer_bytes)}; divided by tp {tp}, pp (this rank's layers), FSDP {dims.dp_shard}",
             f"  activations {_g(m.activations_bytes)} = {m.in_flight} micro-batch(es) in flight x the layers' sets "
-            f"(+ last stage's norm and log-softmax T*V/t*4 = {_g(T * mc.vocab_size // tp * 4)}; + receive buffers)",
+            f"(+ last stage's norm and log-softmax T*V/t*4 = {_g(T * mc.vocab_size // tp * 4)}, a distillation "
+            f"loss's saved tensors instead; + receive buffers)",
             f"  + logits {_g(s.logits_bytes)}, autocast's cached weight copies of recomputed layers "
             f"{_g(m.autocast_cache_bytes)}, recompute working set {_g(m.recompute_bytes)}, FSDP gathers "
             f"{_g(s.fsdp_gathered_bytes)}; AdamW step temporaries {_g(s.optimizer_step_bytes)}",

@@ -33,7 +33,8 @@ at most their sum). Autocast without data parallelism keeps a compute-dtype copy
 recomputed layer's (full or selective) are not saved for backward but live in autocast's cache to the forward's end
 (`autocast_cache_bytes`, beside the logits) and are made again in its backward, with its set. The last stage adds
 the final norm and the log-softmax of the logits in softmax_compute_dtype (T x vocab / t under tensor parallel: loss
-parallel). Token ids, labels and the rotary tables are the batch's and the model's memory, not activations. A stage
+parallel; a distillation loss's saved tensors instead, planner/distill_memory.py). Token ids, labels and the rotary
+tables are the batch's and the model's memory, not activations. A stage
 holds as many micro-batches in flight as its schedule makes it (all of them under GPipe, pp - rank under 1F1B;
 multi-stage schedules are replayed from their own action list, planner/schedule.py), and a later stage keeps a
 receive buffer per micro-batch. Schedules that split the backward keep part of each micro-batch from its weight step
@@ -54,6 +55,7 @@ from meshformer.config.validate import V_SCHEDULES
 from meshformer.dtypes import DTYPE
 from meshformer.models.activations import ActivationModel, ActivationShape
 from meshformer.parallel.dims import ParallelDims
+from meshformer.planner.distill_memory import loss_saved_bytes
 
 # Which dimension of a parameter each tensor-parallel style shards (None: replicated). parallel/tp.py's styles.
 TP_SHARD_DIM = {
@@ -291,7 +293,7 @@ def _count_piece(cfg, dims, pp_rank: int, s: int, piece, last: bool, model, regi
             c.after_w = None  # selective recompute or swap under a split backward: not modelled (kept whole)
         grad = la.grad_out
     if last:
-        _add_head(c, acts.head, regime.tokens * math.ceil(mc.vocab_size / dims.tp) * _size(mc.softmax_compute_dtype))
+        _add_head(c, acts.head, loss_saved_bytes(cfg, regime.tokens, math.ceil(mc.vocab_size / dims.tp)))
     return c
 
 

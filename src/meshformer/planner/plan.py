@@ -169,8 +169,9 @@ def make_plan(
         st = with_context_parallel(st, cfg, dims, rows)  # the gathered keys and values
         last = st.stage == dims.pp - 1 or (dims.pp > 1 and cfg.parallel_config.pipeline_schedule in _V)
         logits = (T * math.ceil(mc.vocab_size / dims.tp) * (a + (4 if low else 0))) if last else 0
-        second = second_model(cfg, dims, st.stage, T, last, n_micro)
-        logits += second.logits_bytes  # the teacher's, alive with the student's for the loss
+        v_shape = dims.pp > 1 and cfg.parallel_config.pipeline_schedule in _V  # rank 0 holds the last stage
+        second = second_model(cfg, dims, st.stage, T, st.stage == (0 if v_shape else dims.pp - 1), n_micro)
+        logits += second.beside_bytes  # the teacher's logits and forward, alive with the student's
         offload = cfg.parallel_config.cpu_offload and acc.name != "cpu"
         step_tmp = 0 if fused else st.grads_bytes  # foreach: one more copy of what it updates
         gathered = (2 * layer_params // dims.tp * a - 2 * fp8_gathered_saving(cfg, a) // dims.tp) * (dims.dp_shard > 1)

@@ -15,14 +15,22 @@
   reference: precomputed  nothing on the device; on disk, one float64 log-probability per sequence of every split
                           (a pair's chosen and rejected: 16 bytes a pair; KTO: 8 bytes an example and 8 for its
                           KL partner), stored with the run.
+  KTO's KL pass           z0 needs the policy's log-probabilities of the KL rows before the step: the policy runs
+                          forward only over them (half the micro-batch's rows), as a reference's forward does; its
+                          peak is the reference's for half the tokens (below the reference's own: counted as
+                          the larger of the two).
   reference: none         nothing (ORPO, SimPO).
   teacher                 the teacher's weights, its own model built and split under the run's layout in
-                          param_init_type (no gradients or optimizer states), plus its logits on the last stage:
-                          per micro-batch, T x vocab / tp in the compute dtype (its output) and twice in float32
-                          (its log-probabilities and probabilities, kept for the student's backward through the
-                          divergence; train/distill_loss.py), for the one micro-batch whose loss is computed;
-                          under pipeline parallelism also the other micro-batches' logits of the step (float32),
-                          computed before the student's schedule and held on the last stage until their loss.
+                          param_init_type (no gradients or optimizer states). Its no_grad forward runs inside the
+                          student's loss, one micro-batch at a time, beside the student's saved activations: its
+                          peak is the larger of its head's (the logits, T x vocab / tp in the compute dtype, with the
+                          final norm's output and autocast's copies of the head's input and weight) and an MLP's
+                          (three T x ffn / tp tensors), and it leaves the logits for the loss, beside which the
+                          divergence makes its float32 temporaries (planner/distill_memory.py; what it saves for the
+                          student's backward is counted in the activations). Under pipeline parallelism its stages
+                          run for all the step's micro-batches before the student's schedule and the last stage
+                          keeps their logits in float32 with the labels, rows x seq x (1 + vocab / tp), through
+                          the schedule; the loss takes a contiguous float32 copy of one micro-batch's.
 Preference pairs put a pair's chosen and rejected in the same micro-batch: `train_dataset.batch_size` counts pairs,
 so activations and logits are those of twice the rows (`rows_per_sample`); KTO examples are one row each.
 """
@@ -48,9 +56,10 @@ class SecondModel:
 
     kind: str  # "reference: copy", "reference: adapter", "reference: precomputed", "teacher" or "" (none)
     weights_bytes: int = 0  # frozen weights on this rank's device
-    logits_bytes: int = 0  # the teacher's logits kept for the loss on the last stage (one micro-batch's)
-    forward_bytes: int = 0  # a reference's no_grad forward: what one micro-batch allocates and frees again
+    logits_bytes: int = 0  # the teacher's logits kept for the loss on the last stage (under pp: the step's)
+    forward_bytes: int = 0  # its no_grad forward's peak: what one micro-batch (a teacher's pp pass: all) allocates
     disk_bytes: int | None = None  # precomputed reference log-probs on disk (None: the dataset's size is unknown)
+    beside_bytes: int = 0  # what it adds beside the policy's working memory at its peak (the logits column)
 
     def as_dict(self) -> dict:
         return {
@@ -59,6 +68,7 @@ class SecondModel:
             "logits_bytes": self.logits_bytes,
             "forward_bytes": self.forward_bytes,
             "disk_bytes": self.disk_bytes,
+            "beside_bytes": self.beside_bytes,
         }
 
 
@@ -139,6 +149,31 @@ def reference_forward_bytes(cfg: MeshformerConfig, dims: ParallelDims, tokens: i
     return tokens * math.ceil(mc.vocab_size / dims.tp) * (compute + cast + softmax)
 
 
+def _teacher(cfg: MeshformerConfig, dims: ParallelDims, pp_rank: int, tokens: int, last: bool, n_micro: int):
+    """The teacher on one rank (the module docstring)."""
+    from meshformer.planner.distill_memory import loss_working_bytes
+    from meshformer.planner.memory import states_bytes
+
+    tcfg = teacher_config(cfg)
+    weights = states_bytes(tcfg, dims, pp_rank)[0]
+    if not last:
+        return SecondModel("teacher", weights)
+    mc = tcfg.model.model_config
+    vocab = math.ceil(mc.vocab_size / dims.tp)
+    compute, norm = _element_size(mc.compute_dtype), _element_size(mc.layernorm_compute_dtype)
+    casts = (tokens + vocab) * mc.hidden_size * compute if mc.compute_dtype != mc.param_init_type else 0
+    head = tokens * (vocab * compute + mc.hidden_size * norm) + casts
+    mlp = 3 * tokens * math.ceil(mc.intermediate_size / dims.tp) * compute
+    forward = max(head, mlp)
+    divergence = loss_working_bytes(cfg, tokens, vocab)
+    if dims.pp == 1:  # inside the student's loss: its forward, then its logits with the divergence's temporaries
+        logits = tokens * vocab * compute
+        return SecondModel("teacher", weights, logits, forward, beside_bytes=max(forward, logits + divergence))
+    kept = n_micro * tokens * (1 + vocab) * 4  # float32, with the labels
+    copy = tokens * vocab * 4  # the loss's contiguous copy of one micro-batch's
+    return SecondModel("teacher", weights, kept, kept + forward, beside_bytes=kept + copy + divergence)
+
+
 def second_model(
     cfg: MeshformerConfig, dims: ParallelDims, pp_rank: int, tokens: int, last: bool, n_micro: int = 1
 ) -> SecondModel:
@@ -149,22 +184,15 @@ def second_model(
     from meshformer.planner.memory import states_bytes
 
     if cfg.distill_config.enabled:
-        tcfg = teacher_config(cfg)
-        weights = states_bytes(tcfg, dims, pp_rank)[0]
-        logits = 0
-        if last:
-            mc = tcfg.model.model_config
-            shard = tokens * math.ceil(mc.vocab_size / dims.tp)
-            logits = shard * (_element_size(mc.compute_dtype) + 2 * 4)
-            if dims.pp > 1:
-                logits += (n_micro - 1) * shard * 4
-        return SecondModel("teacher", weights, logits)
+        return _teacher(cfg, dims, pp_rank, tokens, last, n_micro)
     ref = reference_kind(cfg)
-    forward = reference_forward_bytes(cfg, dims, tokens, last)
+    # KTO's KL pass: the policy forward only over the KL rows (half the rows), before its step as the reference's
+    kl = reference_forward_bytes(cfg, dims, tokens // 2, last) if cfg.preference_config.method == "kto" else 0
+    forward = max(reference_forward_bytes(cfg, dims, tokens, last), kl)
     if ref == "copy":
         return SecondModel("reference: copy", states_bytes(cfg, dims, pp_rank)[0], forward_bytes=forward)
     if ref == "precomputed":
-        return SecondModel("reference: precomputed", disk_bytes=_precomputed_disk_bytes(cfg))
+        return SecondModel("reference: precomputed", disk_bytes=_precomputed_disk_bytes(cfg))  # KTO refuses it
     if ref == "adapter":
         return SecondModel("reference: adapter", forward_bytes=forward)
     return SecondModel("")

@@ -60,17 +60,27 @@ class DistillObjective:
         if not self.teacher.pipelined:
             columns = [labels, inputs] + ([documents] if documents is not None else [])
             return torch.stack(columns, dim=-1).to(torch.float64), n_tok
-        kept = self.teacher.pipelined_logits(inputs, n_micro, self._keep)
-        if not kept:  # a pipeline stage before the last: the loss never runs here
-            return labels.unsqueeze(-1).float(), n_tok
-        teacher = torch.cat(kept)
-        return torch.cat([labels.unsqueeze(-1).to(teacher.dtype), teacher], dim=-1), n_tok
+        targets = []  # filled by the teacher's pass on the last stage, as its logits come
 
-    def _keep(self, logits: torch.Tensor, i: int) -> torch.Tensor:
+        def keep(logits: torch.Tensor, i: int) -> None:
+            self._keep(targets, labels, logits, i, n_micro)
+
+        self.teacher.pipelined_logits(inputs, n_micro, keep)
+        if not targets:  # a pipeline stage before the last: the loss never runs here
+            return labels.unsqueeze(-1).float(), n_tok
+        return targets[0], n_tok
+
+    def _keep(self, targets: list, labels: torch.Tensor, logits: torch.Tensor, i: int, n_micro: int) -> None:
+        """Write micro-batch i's teacher logits into the step's targets [rows, seq, 1 + vocab] (labels first),
+        made at the first: the logits of all micro-batches are held once, in float32, without a copy to join."""
         if isinstance(logits, DTensor):
             self.placements = logits.placements
             logits = logits.to_local()
-        return logits.detach().to(torch.promote_types(logits.dtype, torch.float32))
+        if not targets:
+            dtype = torch.promote_types(logits.dtype, torch.float32)
+            targets.append(labels.new_empty((*labels.shape, 1 + logits.shape[-1]), dtype=dtype))
+            targets[0][..., 0] = labels
+        targets[0].chunk(n_micro)[i][..., 1:].copy_(logits)
 
     def _teacher_logits(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """The teacher's logits of this micro-batch, laid out as the student's `logits`."""

@@ -18,6 +18,7 @@ stage, where the student's loss runs.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from collections.abc import Sequence
 from pathlib import Path
@@ -77,6 +78,7 @@ class Teacher:
         parts.train(False)
         self.parts = parts
         self.pipelined = parts.env.pp_size > 1
+        self.measure = contextlib.nullcontext  # what the memory meter watches its forward with (train/memory.py)
 
     @torch.compiler.disable  # the student's loss may be compiled (parallel/parallelize.py): the teacher stays out
     @torch.no_grad()
@@ -84,13 +86,14 @@ class Teacher:
         """One micro-batch's logits, without pipeline parallelism; called inside the student's loss, so under its
         loss context (vocab-sharded logits with tensor parallelism), which is not entered again here."""
         model = self.parts.parts[0]
-        with self.parts.autocast():
+        with self.measure(), self.parts.autocast():
             return model(inputs) if documents is None else model(inputs, documents=documents)
 
     def pipelined_logits(self, inputs: torch.Tensor, n_micro: int, keep) -> list:
         """[keep(logits, i) for each micro-batch of this rank's rows] on the last pipeline stage, [] on the others:
         the whole pipeline runs before the student's schedule (packed rows are refused under pipelines)."""
-        return pipeline_forward(self.parts, inputs, n_micro, keep)
+        with self.measure():
+            return pipeline_forward(self.parts, inputs, n_micro, keep)
 
 
 def build_teacher(cfg: MeshformerConfig, env: ParallelEnv, sources: Sequence[BaseModelSource] = ()) -> Teacher:

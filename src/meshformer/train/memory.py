@@ -13,12 +13,21 @@ Measured on the first step of every run, so a planner's prediction can be checke
   with its adapters off own none) and the peak of the tensors its no_grad forward creates and frees again (the
   logits of a micro-batch, their log-probabilities, autocast's weight copies), counted per operation by a
   dispatch mode since nothing is saved for backward;
-- peak: on a GPU the CUDA allocator's peak; on the CPU (no allocator peak) the states, the reference's weights
-  and the larger of the activations and the reference's forward (it runs before the policy's).
+- a distillation teacher (train/distill_teacher.py), as the reference: its weights, the peak of its no_grad
+  forward (one micro-batch's inside the student's loss; under pipeline parallelism its whole pass before the
+  student's schedule), and the bytes that forward leaves alive for the loss: its logits (a micro-batch's; under
+  pipeline parallelism all of the step's, on the last stage). What the divergence saves for the student's backward
+  is the student's: in the activations;
+- KTO's KL pass (the policy's no_grad forward over the KL rows, before its step): its peak, as a reference's;
+- peak: on a GPU the CUDA allocator's peak; on the CPU (no allocator peak) the states, the second model's weights
+  and the larger of the activations and the reference's forward (it runs before the policy's); a teacher's forward
+  runs beside the student's activations (inside its loss), or under pipeline parallelism before them with its
+  logits kept beside them.
 
 metrics.jsonl gets `mem_params_bytes`, `mem_grads_bytes`, `mem_optim_bytes`, `mem_activations_bytes` and
-`peak_mem_bytes` (the metrics rank's), with a reference `mem_reference_bytes` and `mem_reference_forward_bytes`;
-`{output_dir}/memory.json` has every rank's breakdown.
+`peak_mem_bytes` (the metrics rank's), with a reference `mem_reference_bytes` and `mem_reference_forward_bytes`, a
+teacher `mem_teacher_bytes`, `mem_teacher_forward_bytes` and `mem_teacher_logits_bytes`, KTO's
+`mem_kl_forward_bytes`; `{output_dir}/memory.json` has every rank's breakdown.
 """
 
 from __future__ import annotations
@@ -152,6 +161,10 @@ def counter_for(parts) -> ActivationCounter:
     return counter
 
 
+# memory.json's keys of a second model (the metrics' names without `mem_`)
+SECOND_KEYS = ("reference_bytes", "reference_forward_bytes", "teacher_bytes", "teacher_forward_bytes",
+               "teacher_logits_bytes", "kl_forward_bytes")  # fmt: skip
+
 # Activations are measured on the first two steps and the second is reported: a pipeline stage's first step also
 # runs a set-up forward (torch infers the shapes it sends) whose saved tensors live through that step only.
 MEASURED_STEPS = 2
@@ -167,26 +180,60 @@ class MemoryMeter:
         self.activations = 0
         self.measured = 0  # steps whose activations were measured
         self._written = 0
-        self.reference = None  # a preference run's frozen reference (watch_reference)
-        self.reference_weights = 0
-        self.reference_forward = 0
+        self.second = None  # a frozen second model: a preference run's reference or a distillation teacher
+        self.second_name = ""  # "reference" or "teacher": the metrics' names
+        self.second_weights = 0
+        self.second_forward = 0  # its forward's peak
+        self.second_left = 0  # what its forward leaves alive for the loss (a teacher's logits)
+        self.second_beside = False  # its forward runs beside the policy's activations (a teacher inside the loss)
+        self.kl_forward = None  # KTO's KL pass: the policy's no_grad forward over the KL rows (watch_kl_pass)
 
     def watch_reference(self, reference) -> None:
         """Measure `reference` (a FrozenModel): the bytes of its own weights, and its forward's peak on the first
         MEASURED_STEPS steps."""
-        self.reference = reference
-        self.reference_weights = tensor_bytes(reference.parts.parameters()) if reference.owns_weights else 0
-        reference.measure = self._measure_reference
+        self._watch("reference", reference, reference.owns_weights)
+
+    def watch_teacher(self, teacher) -> None:
+        """Measure a distillation `teacher` (train/distill_teacher.py Teacher): its weights, its forward's peak and
+        the logits it leaves for the loss."""
+        self._watch("teacher", teacher, True)
+        self.second_beside = not teacher.pipelined
+
+    def watch_kl_pass(self, objective) -> None:
+        """Measure KTO's KL pass (train/preference_step.py): the peak of the policy's no_grad forward over the KL
+        rows, which runs before the policy's step like the reference's."""
+        self.kl_forward = 0
+        objective.kl_measure = self._measure_kl
 
     @contextlib.contextmanager
-    def _measure_reference(self):
+    def _forward_counter(self, parts):
+        """A counter of the tensors a no_grad forward of `parts` makes (None after the measured steps)."""
         if self.measured >= MEASURED_STEPS:
-            yield
+            yield None
             return
-        counter = counter_for(self.reference.parts)
+        counter = counter_for(parts)
         with ForwardCounter(counter):
+            yield counter
+
+    @contextlib.contextmanager
+    def _measure_kl(self):
+        with self._forward_counter(self.parts) as counter:
             yield
-        self.reference_forward = max(self.reference_forward, counter.peak)
+        if counter is not None:
+            self.kl_forward = max(self.kl_forward, counter.peak)
+
+    def _watch(self, name: str, model, owns_weights: bool) -> None:
+        self.second, self.second_name = model, name
+        self.second_weights = tensor_bytes(model.parts.parameters()) if owns_weights else 0
+        model.measure = self._measure_second
+
+    @contextlib.contextmanager
+    def _measure_second(self):
+        with self._forward_counter(self.second.parts) as counter:
+            yield
+        if counter is not None:
+            self.second_forward = max(self.second_forward, counter.peak)
+            self.second_left = max(self.second_left, counter.live)  # made in the forward, still alive after it
 
     def capture(self):
         """Saved-tensor hooks for this step's forward/backward (the first MEASURED_STEPS steps), else None."""
@@ -223,20 +270,33 @@ class MemoryMeter:
         if self.env.device.type == "cuda":
             peak = torch.cuda.max_memory_allocated(self.env.device)
         else:
-            working = max(self.activations, self.reference_forward)
-            peak = s["params_bytes"] + s["grads_bytes"] + s["optimizer_bytes"] + self.reference_weights + working
-        reference = {}
-        if self.reference is not None:
-            reference = {"mem_reference_bytes": self.reference_weights}
-            reference["mem_reference_forward_bytes"] = self.reference_forward
+            peak = s["params_bytes"] + s["grads_bytes"] + s["optimizer_bytes"] + self.second_weights + self._working()
         return {
             "peak_mem_bytes": peak,
             "mem_params_bytes": s["params_bytes"],
             "mem_grads_bytes": s["grads_bytes"],
             "mem_optim_bytes": s["optimizer_bytes"],
             "mem_activations_bytes": self.activations,
-            **reference,
+            **self._second_record(),
         }
+
+    def _working(self) -> int:
+        """The CPU's peak above the resident states: the activations with what the second model adds."""
+        if self.second_name == "teacher" and self.second_beside:
+            return self.activations + self.second_forward  # inside the student's loss, its activations all saved
+        if self.second_name == "teacher":  # its pass first; its logits wait beside the student's activations
+            return max(self.activations + self.second_left, self.second_forward)
+        return max(self.activations, self.second_forward, self.kl_forward or 0)  # they run before the policy's
+
+    def _second_record(self) -> dict[str, int]:
+        out = {} if self.kl_forward is None else {"mem_kl_forward_bytes": self.kl_forward}
+        if self.second is None:
+            return out
+        name = self.second_name
+        out |= {f"mem_{name}_bytes": self.second_weights, f"mem_{name}_forward_bytes": self.second_forward}
+        if name == "teacher":
+            out["mem_teacher_logits_bytes"] = self.second_left
+        return out
 
     def write_report(self, out_dir: Path, record: dict[str, int]) -> None:
         """Every rank's breakdown into {out_dir}/memory.json after each measured step (a collective: every rank
@@ -252,7 +312,7 @@ class MemoryMeter:
             "activations_bytes": record["mem_activations_bytes"],
             "peak_bytes": record["peak_mem_bytes"],
         }
-        for key in ("reference_bytes", "reference_forward_bytes"):
+        for key in SECOND_KEYS:
             if f"mem_{key}" in record:
                 mine[key] = record[f"mem_{key}"]
         ranks = self.env.all_gather_object(mine)

@@ -135,6 +135,7 @@ class PreferenceObjective:
         self.policy_parts = None  # the policy's ModelParts (train/step.py): KTO's KL estimate runs them forward
         self.token_unit: torch.Tensor | float = 0.0
         self.kl: torch.Tensor | None = None  # KTO's z0 of the step
+        self.kl_measure = contextlib.nullcontext  # what the memory meter watches KTO's KL pass with
         self.records: list[torch.Tensor] = []
 
     # ---- before the forward/backward -------------------------------------------------------------------
@@ -172,8 +173,9 @@ class PreferenceObjective:
         """KTO's z0: mean over the global batch's KL rows (odd rows) of policy minus reference log-probability,
         clamped >= 0; the policy runs forward only (TRL detaches z0)."""
         docs = documents[1::2] if documents is not None else None
-        policy = self.reference_rows(FrozenModel(self.policy_parts, contextlib.nullcontext), inputs[1::2],
-                                     labels[1::2], docs, n_micro)  # fmt: skip
+        frozen = FrozenModel(self.policy_parts, contextlib.nullcontext)
+        frozen.measure = self.kl_measure
+        policy = self.reference_rows(frozen, inputs[1::2], labels[1::2], docs, n_micro)
         env = self.env
         total = env.reduce_sum((policy - ref_kl).sum().clone(), "loss") / env.dims.cp
         return (total / samples).clamp(min=0)

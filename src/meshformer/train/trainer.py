@@ -36,6 +36,7 @@ from meshformer.train import (
 from meshformer.train.base_source import BaseModelSource, source_of
 from meshformer.train.checkpointing import Checkpointing, check_resumable, run_identity
 from meshformer.train.data import TrainingData
+from meshformer.train.distill_step import DistillObjective
 from meshformer.train.distill_teacher import build_teacher
 from meshformer.train.evaluation import Evaluation
 from meshformer.train.finetune import apply_finetune_base
@@ -258,6 +259,10 @@ class Trainer:
         memory = self.metrics.start(self.parts, self.optimizer, counts, self.total_steps)
         if self.reference is not None and not isinstance(self.reference, PrecomputedReference):
             memory.watch_reference(self.reference)  # its weights and its forward, beside the policy's
+        if isinstance(self.objective, DistillObjective):
+            memory.watch_teacher(self.objective.teacher)  # its weights, its forward and the logits it keeps
+        if isinstance(self.objective, PreferenceObjective) and self.cfg.preference_config.method == "kto":
+            memory.watch_kl_pass(self.objective)  # the policy's forward over the KL rows, before its step
         hooks = Hooks([memory, *self.hooks])  # memory measurement outermost: it sees what the others add
         self.parts.train()
         with StopRequests(self.cfg.runner_config.preemption_grace_seconds, self.console.log) as stop:
