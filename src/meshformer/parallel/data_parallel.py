@@ -102,6 +102,15 @@ def shard_experts(model: nn.Module, env: ParallelEnv, reshard: bool, kw: dict) -
     return expert_params(model)
 
 
+def reshard(parts: list[nn.Module]) -> None:
+    """Free every FSDP-gathered parameter of `parts`. A model that only runs forward needs it: FSDP reshards the
+    root (and, below ZeRO-3, the layers) in backward, so without one the whole model stays gathered on every rank."""
+    for part in parts:
+        for module in part.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
+
+
 def set_grad_sync(parts: list[nn.Module], sync: bool) -> None:
     """Skip the gradient reduce on non-final micro-batches (gradients accumulate locally, reduced once)."""
     for p in parts:

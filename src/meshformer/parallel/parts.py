@@ -23,7 +23,7 @@ from meshformer.backends.torch_private import foreach_mul_
 from meshformer.config.schema import MeshformerConfig
 from meshformer.dtypes import DTYPE
 from meshformer.models.aux_loss import counting_aux_losses
-from meshformer.parallel.data_parallel import set_grad_sync
+from meshformer.parallel.data_parallel import reshard, set_grad_sync
 from meshformer.parallel.env import ParallelEnv
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (logits, labels) -> summed token loss
@@ -72,6 +72,10 @@ class ModelParts:
     def train(self, mode: bool = True) -> None:
         for p in self.parts:
             p.train(mode)
+
+    def reshard(self) -> None:
+        """Free the FSDP-gathered weights after a forward that no backward follows (parallel/data_parallel.py)."""
+        reshard(self.parts)
 
     def autocast(self):
         if self.autocast_dtype is None:

@@ -87,13 +87,17 @@ class Teacher:
         loss context (vocab-sharded logits with tensor parallelism), which is not entered again here."""
         model = self.parts.parts[0]
         with self.measure(), self.parts.autocast():
-            return model(inputs) if documents is None else model(inputs, documents=documents)
+            logits = model(inputs) if documents is None else model(inputs, documents=documents)
+        self.parts.reshard()  # no backward frees its FSDP-gathered weights
+        return logits
 
     def pipelined_logits(self, inputs: torch.Tensor, n_micro: int, keep) -> list:
         """[keep(logits, i) for each micro-batch of this rank's rows] on the last pipeline stage, [] on the others:
         the whole pipeline runs before the student's schedule (packed rows are refused under pipelines)."""
         with self.measure():
-            return pipeline_forward(self.parts, inputs, n_micro, keep)
+            kept = pipeline_forward(self.parts, inputs, n_micro, keep)
+        self.parts.reshard()
+        return kept
 
 
 def build_teacher(cfg: MeshformerConfig, env: ParallelEnv, sources: Sequence[BaseModelSource] = ()) -> Teacher:

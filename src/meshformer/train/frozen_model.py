@@ -90,6 +90,8 @@ class FrozenModel:
                 return self._micro_batches(inputs, documents, n_micro, fn)
         finally:
             parts.train(was_training)
+            if self.owns_weights:  # its weights serve no backward: kept gathered they would cost a whole model
+                parts.reshard()
 
     def _micro_batches(self, inputs: torch.Tensor, documents: torch.Tensor | None, n_micro: int, fn: Callable):
         model, out = self.parts.parts[0], []

@@ -24,7 +24,6 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
-from torch.distributed.fsdp import FSDPModule
 
 from meshformer.data.dataset import batch_inputs, rows_of_pairs
 from meshformer.data.protocol import fingerprint
@@ -78,10 +77,7 @@ def reference_table(parts: ModelParts, objective, lora: bool, n_pairs: int, pair
     table = compute_table(env, n_pairs, pairs_per_forward, read, logps)
     # A forward without backward leaves FSDP's root unsharded (it reshards in backward): the gathered copies would
     # outlive the first update, so the next forwards would read the starting weights.
-    for part in parts.parts:
-        for module in part.modules():
-            if isinstance(module, FSDPModule):
-                module.reshard()
+    parts.reshard()
     return table
 
 
