@@ -1,30 +1,26 @@
-"""One process that sums in tensor parallelism's order: the reference that proves tp2 under FP8 step after step.
+"""One process that computes as two tensor-parallel ranks do: the reference that holds tp2 under FP8 past step 1.
 
 Tensor parallelism splits some sums over its ranks. In fp32 two half-length sums added round differently from one
 full-length sum (a relative 1e-7), and a value near a float8 rounding boundary then lands in the other FP8 step at
 the next cast (2^-4 relative in e4m3, 2^-2 in e5m2): against a plain one-process run, tp2 under FP8 holds only for
-the first step or two. `tp_summation_order(parts, tp)` makes one process add those sums as `tp` ranks do:
+the first step. `tp_summation_order(parts, tp)` makes one process compute as the `tp` ranks do:
 
-- the FP8 GEMMs whose contraction a style splits (derived from the model's own tensor-parallel plan through
-  parallel/tp.py's resolve_plan, not from names here): a row-parallel linear's forward (input features split)
-  and a column-parallel linear's grad_input (output features split). The float8 operands are dequantized as
-  torchao's CPU emulation does (data / scale, fp32), the contraction cut into `tp` contiguous chunks (rank r's
-  shard, laid out as that rank's local tensor is), each chunk multiplied on its own, the products added in rank
-  order;
-- the same for a plain (not FP8) linear the plan splits, the vocabulary-split output head (`vocab_head`): its
-  grad_input sums over the vocabulary;
-- the cross-entropy over vocabulary-split logits (torch's `loss_parallel`, torch/distributed/tensor/parallel/
-  loss.py): each rank's sum of exponentials, added in rank order, and loss_parallel's own backward
-  ((one-hot of -1 + softmax) * grad, which rounds otherwise than log_softmax's backward).
+- every GEMM of a linear the model's tensor-parallel plan splits (its style names through parallel/tp.py's
+  resolve_plan, not names here), FP8 or not (the vocabulary-split head), with the ranks' local shapes (a CPU BLAS
+  picks its kernel, and so its order of accumulation, by the shapes): over a split contraction (a row-parallel
+  forward, a column-parallel grad_input) the ranks' partial products added in rank order. The float8 operands are
+  dequantized as torchao's CPU emulation does (data / scale, fp32);
+- a column-parallel linear's bias gradient, each rank's column sum over the tokens; a per-head norm (q/k norm) run
+  on each rank's heads, its weight gradient the ranks' sums added;
+- the cross-entropy over vocabulary-split logits as torch's `loss_parallel` computes it (torch/distributed/tensor/
+  parallel/loss.py): each rank's sum of exponentials added in rank order, and its own backward ((one-hot of -1 +
+  softmax) * grad, which rounds otherwise than log_softmax's backward);
+- one thread, as each torchrun rank of the tests runs (conftest's torchrun_env).
 
 The all-reduce adds the ranks' partial sums; for two ranks p0 + p1 == p1 + p0 exactly (IEEE addition commutes),
 so gloo's reduction order cannot matter. For more ranks a ring all-reduce adds in a rotating order per chunk of
-the buffer, which this reference does not model: it is built for tp2.
-
-Not reproduced, so the test's model leaves them out: sums whose length tensor parallelism changes without a
-reduction between ranks' chunks that one could replay (a bias gradient's column sums over a half-width output,
-which torch's CPU reduction blocks by the width; a per-head norm's weight gradient, summed per rank over its heads
-and then across ranks).
+the buffer, which this reference does not model: it is built for tp2. What it does not replay yet (the gradient
+reaching the embedding differs by 1e-7 at step 1): docs/benchmarks.md "FP8 layouts against one process".
 """
 
 from __future__ import annotations
