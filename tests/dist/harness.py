@@ -9,6 +9,7 @@ replaced here by fixed random tokens, each data-parallel rank taking its contigu
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -408,6 +409,14 @@ FP8_VARIANTS = {
     "fp8_rw_fp32": {**VARIANTS["bf16"], "fp8_config.enable": True, "fp8_config.recipe": "rowwise"},
 }
 FP8_FP32 = ("fp8_fp32", "fp8_gw_fp32", "fp8_rw_fp32")
+# fp8_fp32 on a Llama without q/k/v biases or q/k norms (docs/benchmarks.md "FP8 layouts against one process":
+# under tp2 an FP8 flip lands already at step 1 there, against the one process that sums as tp2).
+FP8_VARIANTS["fp8_plain_fp32"] = {
+    **FP8_VARIANTS["fp8_fp32"],
+    "model.model_config.qkv_has_bias": False,
+    "model.model_config.use_qk_norm": False,
+}
+FP8_FP32 = (*FP8_FP32, "fp8_plain_fp32")
 
 
 def variant_cfg(variant: str, case: str | None = None):
@@ -533,9 +542,18 @@ def batches(packed: bool = False, method: str = "none") -> tuple[torch.Tensor, t
     return tokens[..., :-1], labels, starts.long().cumsum(-1)
 
 
-def run(cfg, env, n_micro: int, transforms=None, packed: bool = False) -> tuple[list[tuple[float, float]], dict]:
-    """(loss and grad norm of every step, then the eval loss; this rank's memory breakdown after the second step)."""
+def run(
+    cfg, env, n_micro: int, transforms=None, packed: bool = False, arithmetic=None
+) -> tuple[list[tuple[float, float]], dict]:
+    """(loss and grad norm of every step, then the eval loss; this rank's memory breakdown after the second step).
+    `arithmetic`: called with the built ModelParts, a context manager the steps and the evaluation run in (a
+    reference that changes how one process computes, tests/dist/fp8_tp_order.py)."""
     built = build_parts(cfg, env, transforms)
+    with arithmetic(built.parts) if arithmetic is not None else contextlib.nullcontext():
+        return _run_built(built, cfg, env, n_micro, packed)
+
+
+def _run_built(built, cfg, env, n_micro: int, packed: bool) -> tuple[list[tuple[float, float]], dict]:
     objective = built.objective  # a preference variant's, with its frozen reference at the starting weights
     if isinstance(objective, DistillObjective):  # ... or a distillation variant's, with its teacher
         objective.teacher = build_teacher(cfg, env, BASE_MODEL_SOURCES)
