@@ -84,11 +84,11 @@ BF16_RTOL = {"loss": 1e-3, "grad_norm": 1e-2}
 
 
 @pytest.fixture(scope="module")
-def reference() -> dict:
+def reference(one_process_run) -> dict:
     """Single-process runs of the MoE variants: per-step results and the routing biases after the run."""
     runs = {}
     for v in harness.MOE_VARIANTS:
-        out, _, record = harness.run_case(None, v, world_size=1)
+        out, record = one_process_run(v)
         runs[v] = (out, record.get("router_biases", {}))
     return runs
 

@@ -121,9 +121,9 @@ LAUNCH_JOBS = {world: [f"parity/{spec}" for spec in specs] for world, specs in (
 
 
 @pytest.fixture(scope="module")
-def reference() -> dict:
+def reference(one_process_run) -> dict:
     """Single-process runs of every model variant (no process group)."""
-    return {v: harness.run_case(None, v, world_size=1)[0] for v in harness.VARIANTS if v not in harness.MOE_VARIANTS}
+    return {v: one_process_run(v)[0] for v in harness.VARIANTS if v not in harness.MOE_VARIANTS}
 
 
 def _check(results: dict, reference: dict, specs: list[str]) -> None:
