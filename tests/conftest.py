@@ -6,7 +6,6 @@ import hashlib
 import json
 import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -221,53 +220,6 @@ def transformers_render(template: str, messages, add_generation_prompt: bool) ->
     return tok.apply_chat_template(
         messages, chat_template=template, tokenize=False, add_generation_prompt=add_generation_prompt
     )
-
-
-class SharedLaunches:
-    """One torchrun launch of tests/dist/launch_worker.py per world size for the LAUNCH_JOBS ({world size:
-    ["WORKER/JOB", ...]}) of every test module whose selected tests use `shared_launches`: the parity files share
-    their process start-ups. A launch runs when a test first asks for its world size, and once, after the launches
-    of the smaller world sizes (whose saved files it may read)."""
-
-    def __init__(self, session, root: Path):
-        self.session, self.root, self.done = session, root, {}
-
-    def modules(self) -> list:
-        found = {item.module for item in self.session.items if "shared_launches" in getattr(item, "fixturenames", ())}
-        return sorted(found, key=lambda m: m.__name__)
-
-    def jobs(self, world: int) -> list[str]:
-        return [job for m in self.modules() for job in getattr(m, "LAUNCH_JOBS", {}).get(world, [])]
-
-    def results(self, world: int, worker: str) -> dict:
-        """`worker`'s findings ({key: value}, its own keys) in the launch of `world` processes."""
-        for smaller in sorted(w for m in self.modules() for w in getattr(m, "LAUNCH_JOBS", {}) if w < world):
-            self.results(smaller, worker)
-        if world not in self.done:
-            out = self.root / f"r{world}.json"
-            cmd = [*TORCHRUN, "--standalone", "--nproc-per-node", str(world), str(DIST / "launch_worker.py")]
-            # A hang guard, not a timing: compiled layouts compile Inductor's C++, minutes on a loaded 2-core machine.
-            p = subprocess.run(
-                [*cmd, str(out), str(self.root), *self.jobs(world)],
-                capture_output=True,
-                text=True,
-                timeout=1800,
-                env=torchrun_env(),
-                cwd=ROOT,
-            )
-            # a failed launch fails every test that reads it, once: not run again for the next file
-            self.done[world] = json.loads(out.read_text()) if p.returncode == 0 else p.stdout[-3000:] + p.stderr[-5000:]
-        assert isinstance(self.done[world], dict), self.done[world]
-        return self.done[world].get(worker, {})
-
-    def files(self, worker: str) -> Path:
-        """Where `worker`'s jobs write their files (checkpoints, gradients), in every launch."""
-        return self.root / worker
-
-
-@pytest.fixture(scope="session")
-def shared_launches(request, tmp_path_factory) -> SharedLaunches:
-    return SharedLaunches(request.session, tmp_path_factory.mktemp("launches"))
 
 
 @pytest.fixture(scope="session")

@@ -79,19 +79,14 @@ def run(job: str, case: str, variant: str, where: Path, world_size: int | None =
     return {key: harness.train_steps(parts, opt, cfg, env, n_micro, range(SAVED_AT, harness.STEPS), packed)}, env
 
 
-def run_job(spec: str, where: Path) -> tuple[dict, object]:
-    """(this rank's findings, env) of one JOB:CASE[:VARIANT]."""
-    job, case, *variant = spec.split(":")
-    res, env = run(job, case, variant[0] if variant else "fp32", where)
-    return (res if env.is_metrics_rank else {}), env
-
-
 def main() -> None:
     out_path, where, jobs = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3:]
     results, env = {}, None
     for spec in jobs:
-        res, env = run_job(spec, where)
-        results.update(res)
+        job, case, *variant = spec.split(":")
+        res, env = run(job, case, variant[0] if variant else "fp32", where)
+        if env.is_metrics_rank:
+            results.update(res)
     harness.write_results(env, results, out_path)
 
 

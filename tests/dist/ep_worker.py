@@ -6,8 +6,8 @@ usage: torchrun --nproc-per-node N tests/dist/ep_worker.py OUT DIR JOB:CASE ... 
 - `load:CASE` builds a fresh model under CASE, loads that checkpoint as a resumed run does (Checkpointing.load:
   DCP reshards to this layout) and trains the remaining steps;
 - `grads:CASE` trains one step and keeps every routed-expert gradient as the optimizer sees it (whole tensors);
-- `parity:CASE:VARIANT` is parity_worker.py's case (the same keys in OUT).
-tests/dist/launch_worker.py runs these jobs (`run_job`) in the launch that all parity files share per world size.
+- `parity:CASE:VARIANT` is parity_worker.py's case (the same keys in OUT): the parity cases of a world size and
+  these jobs share one launch, one set of process start-ups.
 The metrics rank of each job writes {"JOB:CASE": [[loss, grad_norm, *aux], ...]} into OUT (json), the save job
 also this rank's local expert shape; a grads job's tensors go to DIR/grads_CASE.safetensors.
 """
@@ -74,31 +74,25 @@ def run(job: str, case: str, where: Path, world_size: int | None = None) -> tupl
     return result, grads, env
 
 
-def run_job(spec: str, where: Path) -> tuple[dict, object]:
-    """(this rank's findings, env) of one JOB:CASE (`parity:CASE:VARIANT` as parity_worker.py's); a grads job's
-    tensors written by rank 0 to `where`."""
-    job, _, case = spec.partition(":")
-    if job == "parity":
-        case, _, variant = case.partition(":")
-        res, env, memory = harness.run_case(case, variant)
-        results = {f"{case}:{variant}:memory:{env.rank}": memory}
-        if env.is_metrics_rank:
-            results[f"{case}:{variant}"] = res
-        return results, env
-    res, grads, env = run(job, case, where)
-    if job == "grads":  # pipeline stages hold different layers: rank 0 writes them all
-        merged = {k: v for g in env.all_gather_object(grads) for k, v in g.items()}
-        if env.rank == 0:
-            save_file({k: v.contiguous() for k, v in merged.items()}, str(where / f"grads_{case}.safetensors"))
-    return (res if env.is_metrics_rank else {}), env
-
-
 def main() -> None:
     out_path, where, jobs = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3:]
     results, env = {}, None
     for spec in jobs:
-        res, env = run_job(spec, where)
-        results.update(res)
+        job, _, case = spec.partition(":")
+        if job == "parity":
+            case, _, variant = case.partition(":")
+            res, env, memory = harness.run_case(case, variant)
+            results[f"{case}:{variant}:memory:{env.rank}"] = memory
+            if env.is_metrics_rank:
+                results[f"{case}:{variant}"] = res
+            continue
+        res, grads, env = run(job, case, where)
+        if env.is_metrics_rank:
+            results.update(res)
+        if job == "grads":  # pipeline stages hold different layers: rank 0 writes them all
+            merged = {k: v for g in env.all_gather_object(grads) for k, v in g.items()}
+            if env.rank == 0:
+                save_file({k: v.contiguous() for k, v in merged.items()}, str(where / f"grads_{case}.safetensors"))
     gathered = env.all_gather_object(results)
     if env.rank == 0:
         out_path.write_text(json.dumps({k: v for r in gathered for k, v in r.items()}))

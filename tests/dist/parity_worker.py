@@ -16,47 +16,21 @@ import torch  # noqa: E402
 from harness import run_case  # noqa: E402
 
 
-def run_job(spec: str, where: Path | None = None) -> tuple[dict, object]:
-    """(this rank's findings, env) of one CASE[:VARIANT] (`where`, unused: launch_worker.py's signature)."""
-    case, _, variant = spec.partition(":")
-    # Every case compiles as a fresh run would: dynamo's per-function recompile limit counts the graphs of all the
-    # cases a process ran (past it a later compiled case runs its layers eager), and a size that differs from an
-    # earlier case's makes dynamo recompile with dynamic shapes.
-    torch.compiler.reset()
-    t = time.time()
-    res, env, memory = run_case(case, variant or "fp32")
-    results = {f"{case}:{variant or 'fp32'}:memory:{env.rank}": memory}
-    if env.is_metrics_rank:
-        results[f"{case}:{variant or 'fp32'}"] = res
-        print(f"[parity] {spec}: {time.time() - t:.1f}s {res[-1]}", flush=True)
-    return results, env
-
-
-def release_groups(env) -> None:
-    """Destroy the process groups of a finished case's meshes (the default group stays) and collect the case's
-    garbage: each case builds its own meshes, and every gloo group keeps threads (sockets, polling loops) until its
-    last reference goes; over a launch's cases they piled up to a thousand threads a rank."""
-    import gc
-
-    import torch.distributed as dist
-
-    if not env.distributed:
-        return
-    groups = {id(g): g for m in (env.mesh, env.expert_mesh, *env.flat_meshes.values()) if m is not None
-              for g in m.get_all_groups() if g is not dist.group.WORLD}  # fmt: skip
-    dist.barrier()  # every rank is done with them
-    for g in groups.values():
-        dist.destroy_process_group(g)
-    gc.collect()  # the earlier cases' meshes and models hold their groups in reference cycles
-
-
 def main() -> None:
     out_path, specs = Path(sys.argv[1]), sys.argv[2:]
     results, env = {}, None
     for spec in specs:
-        res, env = run_job(spec)
-        results.update(res)
-        release_groups(env)
+        case, _, variant = spec.partition(":")
+        # Every case compiles as a fresh run would: dynamo's per-function recompile limit counts the graphs of all
+        # the cases a process ran (past it a later compiled case runs its layers eager), and a size that differs
+        # from an earlier case's makes dynamo recompile with dynamic shapes.
+        torch.compiler.reset()
+        t = time.time()
+        res, env, memory = run_case(case, variant or "fp32")
+        results[f"{case}:{variant or 'fp32'}:memory:{env.rank}"] = memory
+        if env.is_metrics_rank:
+            results[f"{case}:{variant or 'fp32'}"] = res
+            print(f"[parity] {spec}: {time.time() - t:.1f}s {res[-1]}", flush=True)
     # Each case has one metrics rank and it may differ between cases: gather everyone's findings on rank 0.
     import torch.distributed as dist
 

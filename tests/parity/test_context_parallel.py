@@ -1,28 +1,30 @@
 """Context parallelism gives the single-process numbers (parallel/context_parallel.py).
 
-tests/dist/cp_worker.py's jobs, in the launches of 2, 4 and 8 processes that the parity files share, run the parity
-harness's model (GQA, q/k/v bias, q/k norm) for its 5 AdamW steps and one evaluation at cp2 and cp4 alone, cp2 with
-recompute and accumulation, with HSDP (dp2 replicas), FSDP (dp_shard 2), tensor (and sequence) parallelism, pipeline
-parallelism (1F1B, ZBV with recompute), packed documents, LoRA, an MoE model with balancing (the global-batch loss;
-the sequence-wise one, whose per-row counts are summed over the cp ranks; also with ep2 borrowing the cp ranks, and
-under pp2), and a DeepSeek-V3-shaped one (latent attention, which gathers only its latents; its sequence-wise loss
-or the global-batch one; at cp2, packed, with recompute, cp4 and tp2 x cp2), and a Mistral-shaped one whose sliding
-window is shorter than the row (cp2), GLM-4- and Gemma 3-shaped ones (cp2); loss, grad norm (and auxiliary losses)
-and eval loss of every step must equal the in-process single-process run within 1e-5 relative (fp32). A checkpoint
-saved at cp2 resumes in one process. The activations per rank fall by about cp, as the planner predicts (the Llama
-bench, and the DeepSeek cases' measured steps within 1%, 2% packed). Bad layouts are one line, exit code 2, before
-any process group.
+Three launches of tests/dist/cp_worker.py (2, 4 and 8 processes) run the parity harness's model (GQA, q/k/v bias,
+q/k norm) for its 5 AdamW steps and one evaluation at cp2 and cp4 alone, cp2 with recompute and accumulation, with
+HSDP (dp2 replicas), FSDP (dp_shard 2), tensor (and sequence) parallelism, pipeline parallelism (1F1B, ZBV with
+recompute), packed documents, LoRA, an MoE model with balancing (the global-batch loss; the sequence-wise one, whose
+per-row counts are summed over the cp ranks; also with ep2 borrowing the cp ranks, and under pp2), and a
+DeepSeek-V3-shaped one (latent attention, which gathers only its latents; its sequence-wise loss or the global-batch
+one; at cp2, packed, with recompute, cp4 and tp2 x cp2), and a Mistral-shaped one whose sliding window is shorter
+than the row (cp2), GLM-4- and Gemma 3-shaped ones (cp2); loss, grad norm (and auxiliary losses) and eval loss of
+every step must equal the in-process single-process run within 1e-5 relative (fp32). A checkpoint saved at cp2
+resumes in one process. The activations per rank fall by about cp, as the planner predicts (the Llama bench, and the
+DeepSeek cases' measured steps within 1%, 2% packed). Bad layouts are one line, exit code 2, before any process
+group.
 """
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import DIST, EMPTY, FP32_RTOL, ROOT, fails, rel, torchrun_env
+from conftest import DIST, EMPTY, FP32_RTOL, ROOT, TORCHRUN, fails, rel, torchrun_env
 
 sys.path.insert(0, str(DIST))
 import cp_worker  # noqa: E402
@@ -63,12 +65,12 @@ WORLD4 = [
 WORLD8 = ["fsdp2xtp2xcp2_accum:packed"]
 
 
-# Each world size's jobs run in the launch the parity files share (tests/conftest.py `shared_launches`).
-LAUNCH_JOBS = {
-    2: [f"cp/parity:{s}" for s in WORLD2] + ["cp/save:cp2"],
-    4: [f"cp/parity:{s}" for s in WORLD4],
-    8: [f"cp/parity:{s}" for s in WORLD8],
-}
+def _torchrun(nproc: int, jobs: list[str], where: Path) -> dict:
+    out = where / f"r{nproc}.json"
+    cmd = [*TORCHRUN, "--standalone", "--nproc-per-node", str(nproc), str(DIST / "cp_worker.py"), str(out), str(where)]
+    p = subprocess.run([*cmd, *jobs], capture_output=True, text=True, timeout=500, env=torchrun_env(), cwd=ROOT)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
+    return json.loads(out.read_text())
 
 
 @pytest.fixture(scope="module")
@@ -160,13 +162,14 @@ def test_chunks_are_load_balanced_and_cover_the_row():
     assert len({sum(p + 1 for p in r) for r in rows}) == 1
 
 
-def test_cp_on_two_processes_equals_one_process_and_resumes_at_cp1(reference, shared_launches):
-    got = shared_launches.results(2, "cp")
+def test_cp_on_two_processes_equals_one_process_and_resumes_at_cp1(reference, tmp_path):
+    jobs = [f"parity:{s}" for s in WORLD2] + ["save:cp2"]
+    got = _torchrun(2, jobs, tmp_path)
     _check(got, reference, WORLD2)
     _check_planned(got, "cp2", "deepseek_v3_gb", 0.01)
     # packed rows: the single-process plan is 1.2% under the measured step already (its document mask is not counted)
     _check_planned(got, "cp2", "deepseek_v3_gb_packed", 0.02)
-    resumed, _ = cp_worker.run("resume", "single", "fp32", shared_launches.files("cp"), world_size=1)
+    resumed, _ = cp_worker.run("resume", "single", "fp32", tmp_path, world_size=1)
     saved = got["save:cp2:fp32"]
     assert len(saved) == harness.STEPS - cp_worker.SAVED_AT
     for row, ref, uninterrupted in zip(resumed["resume:single:fp32"], saved, reference["fp32"][cp_worker.SAVED_AT :]):
@@ -174,15 +177,15 @@ def test_cp_on_two_processes_equals_one_process_and_resumes_at_cp1(reference, sh
         assert all(rel(a, b) <= FP32_RTOL for a, b in zip(row, uninterrupted)), (row, uninterrupted)
 
 
-def test_cp_with_hsdp_fsdp_tp_pp_and_cp4_on_four_processes_equals_one_process(reference, shared_launches):
-    got = shared_launches.results(4, "cp")
+def test_cp_with_hsdp_fsdp_tp_pp_and_cp4_on_four_processes_equals_one_process(reference, tmp_path):
+    got = _torchrun(4, [f"parity:{s}" for s in WORLD4], tmp_path)
     _check(got, reference, WORLD4)
     _check_planned(got, "cp4", "deepseek_v3", 0.01)
     _check_planned(got, "tp2xcp2", "deepseek_v3_gb", 0.01)
 
 
-def test_cp_with_fsdp_and_tp_on_eight_processes_equals_one_process(reference, shared_launches):
-    _check(shared_launches.results(8, "cp"), reference, WORLD8)
+def test_cp_with_fsdp_and_tp_on_eight_processes_equals_one_process(reference, tmp_path):
+    _check(_torchrun(8, [f"parity:{s}" for s in WORLD8], tmp_path), reference, WORLD8)
 
 
 @pytest.mark.parametrize("packed", [False, True])

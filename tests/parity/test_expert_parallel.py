@@ -24,7 +24,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import DIST, EMPTY, FP32_RTOL, fails, rel, torchrun_env
+from conftest import DIST, EMPTY, FP32_RTOL, ROOT, TORCHRUN, fails, rel, torchrun_env
 
 sys.path.insert(0, str(DIST))
 import ep_worker  # noqa: E402
@@ -81,6 +81,17 @@ BIAS_ATOL = 1e-7  # biases move by exact +-rate steps, centred: any differing si
 # the grad norm sums squares of bf16 matmul outputs), against the bf16 and the fp32 single process. Under expert
 # parallelism an expert's grouped matmul sees another set of rows than in one process, rounding alike per row.
 BF16_RTOL = {"loss": 1e-3, "grad_norm": 1e-2}
+
+
+def _torchrun(nproc: int, script: str, args: list[str], timeout: int = 500) -> None:
+    cmd = [*TORCHRUN, "--standalone", "--nproc-per-node", str(nproc), str(DIST / script), *args]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=torchrun_env(), cwd=ROOT)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
+
+
+def _parity(nproc: int, specs: list[str], out: Path) -> dict:
+    _torchrun(nproc, "parity_worker.py", [str(out), *specs])
+    return json.loads(out.read_text())
 
 
 @pytest.fixture(scope="module")
@@ -155,27 +166,28 @@ def _check_memory(results: dict, specs: list[str], world: int) -> None:
 
 
 # The checkpoint and expert-gradient jobs of test_expert_gradients_and_ep2_checkpoints_resuming_at_ep1_and_ep4, by
-# world size; each runs after that world size's parity cases, in the launch the parity files share
-# (tests/conftest.py `shared_launches`); the 4-process loads read the 2-process launch's checkpoint.
+# world size; each runs in the launch of that world size's parity cases (ep_worker.py), after them.
 EP_JOBS2 = ["save:fsdp2_ep2", "load:fsdp2", "grads:fsdp2_ep2"]
 EP_JOBS4 = ["load:fsdp4_ep4", "load:hsdp2x2_ep2", "grads:fsdp4_ep2_accum", "grads:fsdp4_ep4"]
-LAUNCH_JOBS = {
-    2: [f"ep/parity:{s}" for s in WORLD2] + [f"ep/{j}" for j in EP_JOBS2],
-    4: [f"ep/parity:{s}" for s in WORLD4] + [f"ep/{j}" for j in EP_JOBS4],
-    8: [f"ep/parity:{s}" for s in WORLD8],
-}
+
+
+def _launch(nproc: int, specs: list[str], jobs: list[str], where: Path) -> dict:
+    out = where / f"r{nproc}.json"
+    _torchrun(nproc, "ep_worker.py", [str(out), str(where), *(f"parity:{s}" for s in specs), *jobs])
+    return json.loads(out.read_text())
 
 
 @pytest.fixture(scope="module")
-def two_processes(shared_launches) -> tuple[dict, Path]:
+def two_processes(tmp_path_factory) -> tuple[dict, Path]:
     """(results of the 2-process launch: WORLD2's parity cases, then EP_JOBS2, the directory its files are in)."""
-    return shared_launches.results(2, "ep"), shared_launches.files("ep")
+    where = tmp_path_factory.mktemp("ep")
+    return _launch(2, WORLD2, EP_JOBS2, where), where
 
 
 @pytest.fixture(scope="module")
-def four_processes(shared_launches, two_processes) -> dict:
+def four_processes(two_processes) -> dict:
     """Results of the 4-process launch: WORLD4's parity cases, then EP_JOBS4 (loading the 2-process checkpoint)."""
-    return shared_launches.results(4, "ep")
+    return _launch(4, WORLD4, EP_JOBS4, two_processes[1])
 
 
 def test_ep_on_two_processes_equals_one_process(reference, two_processes):
@@ -189,8 +201,8 @@ def test_ep_with_fsdp_hsdp_tp_and_pp_on_four_processes_equals_one_process(refere
     _check_memory(four_processes, WORLD4, 4)
 
 
-def test_ep_on_eight_processes_equals_one_process(reference, shared_launches):
-    results = shared_launches.results(8, "ep")
+def test_ep_on_eight_processes_equals_one_process(reference, tmp_path):
+    results = _parity(8, WORLD8, tmp_path / "r8.json")
     _check(results, reference, WORLD8)
     _check_memory(results, WORLD8, 8)
 

@@ -1,9 +1,9 @@
 """Data, tensor, pipeline parallelism and optimizer sharding give the single-process numbers.
 
-Each launch runs many layouts in turn on one process group (tests/dist/parity_worker.py's jobs in the launch the
-parity files share: torch import and rendezvous are paid once per world size). Every layout trains the same tiny
-model (GQA, q/k/v bias, q/k norm) from the same seed for 5 AdamW steps on fixed tokens, then evaluates once; loss,
-grad norm and eval loss at every step must equal the in-process single-process run within 1e-5 relative (fp32).
+Each launch runs many layouts in turn on one process group (tests/dist/parity_worker.py; torch import and
+rendezvous are paid once per world size). Every layout trains the same tiny model (GQA, q/k/v bias, q/k norm)
+from the same seed for 5 AdamW steps on fixed tokens, then evaluates once; loss, grad norm and eval loss at
+every step must equal the in-process single-process run within 1e-5 relative (fp32).
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import json
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -116,8 +117,13 @@ WORLD8 = ["dp2xtp2xpp2", "dp2xtp2xpp2_rc_accum", "dp2xtp2xpp2_sel", "fsdp2xtp2xp
 TWO_NODES = ["dp2xtp2", "fsdp2xpp2", "hsdp2x2_rc"]
 
 
-# Each world size's cases run in the launch every parity file shares (tests/conftest.py `shared_launches`).
-LAUNCH_JOBS = {world: [f"parity/{spec}" for spec in specs] for world, specs in ((2, WORLD2), (4, WORLD4), (8, WORLD8))}
+# A hang guard, not a timing: each compiled layout compiles its own graphs (Inductor's C++), which on a shared 2-core
+# machine can take minutes per launch.
+def _launch(nproc: int, specs: list[str], out: Path, timeout: int = 900) -> dict:
+    cmd = [*TORCHRUN, "--standalone", "--nproc-per-node", str(nproc), str(DIST / "parity_worker.py"), str(out), *specs]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=torchrun_env(), cwd=ROOT)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
+    return json.loads(out.read_text())
 
 
 @pytest.fixture(scope="module")
@@ -148,18 +154,18 @@ def _check(results: dict, reference: dict, specs: list[str]) -> None:
 
 
 @pytest.fixture(scope="module")
-def results2(shared_launches) -> dict:
-    return shared_launches.results(2, "parity")
+def results2(tmp_path_factory) -> dict:
+    return _launch(2, WORLD2, tmp_path_factory.mktemp("p2") / "r.json")
 
 
 @pytest.fixture(scope="module")
-def results4(shared_launches) -> dict:
-    return shared_launches.results(4, "parity")
+def results4(tmp_path_factory) -> dict:
+    return _launch(4, WORLD4, tmp_path_factory.mktemp("p4") / "r.json")
 
 
 @pytest.fixture(scope="module")
-def results8(shared_launches) -> dict:
-    return shared_launches.results(8, "parity")
+def results8(tmp_path_factory) -> dict:
+    return _launch(8, WORLD8, tmp_path_factory.mktemp("p8") / "r.json")
 
 
 def test_packed_variant_masks_documents(reference):
