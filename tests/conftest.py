@@ -223,6 +223,25 @@ def transformers_render(template: str, messages, add_generation_prompt: bool) ->
 
 
 @pytest.fixture(scope="session")
+def one_process_run():
+    """variant -> (per-step results, memory record) of the parity harness's single-process run of that variant
+    (tests/dist/harness.py run_case), each variant run once per session: the parity files' references share them."""
+    if str(DIST) not in sys.path:
+        sys.path.insert(0, str(DIST))
+    import harness
+
+    runs = {}
+
+    def run(variant: str) -> tuple[list, dict]:
+        if variant not in runs:
+            out, _, memory = harness.run_case(None, variant, world_size=1)
+            runs[variant] = (out, memory)
+        return runs[variant]
+
+    return run
+
+
+@pytest.fixture(scope="session")
 def tiny_dataset(tmp_path_factory) -> Path:
     """Two plays, byte-level BPE with 512 tokens, packed; returns the dataset directory."""
     from meshformer.data.preprocess import preprocess

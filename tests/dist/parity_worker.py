@@ -11,6 +11,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import torch  # noqa: E402
+
 from harness import run_case  # noqa: E402
 
 
@@ -19,6 +21,10 @@ def main() -> None:
     results, env = {}, None
     for spec in specs:
         case, _, variant = spec.partition(":")
+        # Every case compiles as a fresh run would: dynamo's per-function recompile limit counts the graphs of all
+        # the cases a process ran (past it a later compiled case runs its layers eager), and a size that differs
+        # from an earlier case's makes dynamo recompile with dynamic shapes.
+        torch.compiler.reset()
         t = time.time()
         res, env, memory = run_case(case, variant or "fp32")
         results[f"{case}:{variant or 'fp32'}:memory:{env.rank}"] = memory
@@ -27,6 +33,7 @@ def main() -> None:
             print(f"[parity] {spec}: {time.time() - t:.1f}s {res[-1]}", flush=True)
     # Each case has one metrics rank and it may differ between cases: gather everyone's findings on rank 0.
     import torch.distributed as dist
+
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, results)
     if dist.get_rank() == 0:

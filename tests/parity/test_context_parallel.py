@@ -74,10 +74,10 @@ def _torchrun(nproc: int, jobs: list[str], where: Path) -> dict:
 
 
 @pytest.fixture(scope="module")
-def reference() -> dict:
+def reference(one_process_run) -> dict:
     variants = ("fp32", "packed", "lora", "moe", "moe_bal_gb", "moe_bal_seq", "deepseek_v3", "deepseek_v3_gb")
     variants += ("deepseek_v3_gb_packed", "mistral", "gpt_oss", "glm4", "gemma3")
-    return {v: harness.run_case(None, v, world_size=1)[0] for v in variants}
+    return {v: one_process_run(v)[0] for v in variants}
 
 
 def _check(results: dict, reference: dict, specs: list[str]) -> None:

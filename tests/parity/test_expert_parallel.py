@@ -95,11 +95,11 @@ def _parity(nproc: int, specs: list[str], out: Path) -> dict:
 
 
 @pytest.fixture(scope="module")
-def reference() -> dict:
+def reference(one_process_run) -> dict:
     """Single-process runs of the MoE variants: per-step results and the routing biases after the run."""
     runs = {}
     for v in harness.MOE_VARIANTS:
-        out, _, record = harness.run_case(None, v, world_size=1)
+        out, record = one_process_run(v)
         runs[v] = (out, record.get("router_biases", {}))
     return runs
 

@@ -127,9 +127,9 @@ def _launch(nproc: int, specs: list[str], out: Path, timeout: int = 900) -> dict
 
 
 @pytest.fixture(scope="module")
-def reference() -> dict:
+def reference(one_process_run) -> dict:
     """Single-process runs of every model variant (no process group)."""
-    return {v: harness.run_case(None, v, world_size=1)[0] for v in harness.VARIANTS if v not in harness.MOE_VARIANTS}
+    return {v: one_process_run(v)[0] for v in harness.VARIANTS if v not in harness.MOE_VARIANTS}
 
 
 def _check(results: dict, reference: dict, specs: list[str]) -> None:

@@ -434,7 +434,7 @@ def test_smollm2_lora_sft_learns_and_its_adapter_matches_peft(smollm2, smollm2_c
         "train_dataset.data_loader.dataset_dir": data,
         "model.model_config.seq_length": 128,
         "train_dataset.batch_size": 4,
-        "runner_config.stop_step": 16,
+        "runner_config.stop_step": 8,
         "model.model_config.pet_method": "lora",
         "optimizer.learning_rate": 2e-3,
         "optimizer.warmup_steps": 2,

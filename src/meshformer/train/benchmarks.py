@@ -56,15 +56,33 @@ def _check_task_files(include: Path, field: str) -> None:
             raise UserError(f"{field}: task file {f} names no task (a `task:` key), nor a group or tag")
 
 
+# A TaskManager parses every task YAML lm-eval ships (thousands) when it is made, and reads them only to build its
+# index (each task it builds copies its config). One process that evaluates again (a test session, `eval` called
+# twice) reuses the last few it made, by include folder and that folder's files as they are now.
+_MANAGERS: dict[tuple, object] = {}
+_MANAGERS_KEPT = 2  # each holds the whole index in memory
+
+
+def _folder_stamp(folder: Path) -> tuple:
+    """Every file under folder with its size and modification time: a changed task file makes a new manager."""
+    files = sorted(p for p in folder.rglob("*") if p.is_file())
+    return tuple((str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in files)
+
+
 def task_manager(include_path: str | None, field: str = "--include-path"):
     """lm-eval's TaskManager over its registry plus the task YAMLs under include_path (checked first)."""
     from lm_eval.tasks import TaskManager
 
     logging.getLogger("lm_eval").setLevel(logging.WARNING)
+    key: tuple = ()
     if include_path:
         _check_task_files(Path(include_path), field)
-        return TaskManager(include_path=str(include_path))
-    return TaskManager()
+        key = (str(Path(include_path).resolve()), _folder_stamp(Path(include_path)))
+    if key not in _MANAGERS:
+        while len(_MANAGERS) >= _MANAGERS_KEPT:
+            _MANAGERS.pop(next(iter(_MANAGERS)))
+        _MANAGERS[key] = TaskManager(include_path=str(include_path)) if include_path else TaskManager()
+    return _MANAGERS[key]
 
 
 def check_tasks(manager, names: list[str], field: str) -> None:
