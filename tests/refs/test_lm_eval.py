@@ -185,10 +185,11 @@ def test_two_processes_give_what_one_gives(bench, reference, tmp_path):
     argv = ["-m", "meshformer", "eval", "--checkpoint", str(ckpt), "--tasks", TASKS, "--include-path", str(tasks)]
     argv += ["--batch-size", "2", "--output", str(tmp_path / "out"), "--log-samples", "--device", "cpu"]
     run = subprocess.run(
-        ["flock", "/tmp/meshformer-heavy.lock", "timeout", "300", *TORCHRUN, "--nproc-per-node", "2", *argv],
+        [*TORCHRUN, "--nproc-per-node", "2", *argv],
         env=torchrun_env(),
         capture_output=True,
         text=True,
+        timeout=300,
     )
     assert run.returncode == 0, run.stderr[-3000:]
     results, samples = ours(bench, tmp_path / "out")
@@ -339,15 +340,8 @@ def test_tasks_under_two_processes_log_what_one_process_logs(
     extra = {**TRAINING_TASKS, "eval_config.include_path": str(task_dir), **TWO_PROCESS_LAYOUTS[layout]}
     argv = [*TORCHRUN, "--nproc-per-node", "2", "-m", "meshformer", "train", EMPTY]
     env = {**torchrun_env(), "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
-    cmd = [
-        "flock",
-        "/tmp/meshformer-heavy.lock",
-        "timeout",
-        "400",
-        *argv,
-        *tiny_overrides(tiny_dataset, tmp_path, extra),
-    ]
-    run = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    cmd = [*argv, *tiny_overrides(tiny_dataset, tmp_path, extra)]
+    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)
     assert run.returncode == 0, run.stderr[-3000:]
     got = task_records(tmp_path)
     assert [r["step"] for r in got] == [r["step"] for r in one_process_tasks] == [1, 2]
