@@ -62,5 +62,6 @@ def test_freed_buffers_come_back_without_page_faults_and_the_process_does_not_gr
     assert min(settled["step_faults"][3:]) > pages // 2, settled
     # ... retained, only the first rounds touch new pages (the heap grows once, the next rounds reuse it).
     assert max(retain["step_faults"][3:]) < pages // 100, retain
-    # A 64 MiB block freed behind a live allocation is reused, or mapped and unmapped: no growth past one block.
-    assert retain["rss_round_40"] - retain["rss_round_5"] < 64, retain
+    # A 64 MiB block freed behind a live allocation is reused, or mapped and unmapped: no growth past one block (and
+    # the rounds' kept 4 KiB tensors, well under 1 MiB), where the unsafe pattern grows by a block a round.
+    assert retain["rss_round_40"] - retain["rss_round_5"] < 64 + 1, retain
