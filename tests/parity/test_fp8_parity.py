@@ -1,7 +1,8 @@
 """FP8 linears (fp8_config) under FSDP2 and tensor parallelism give the one-process FP8 numbers.
 
 One launch of two processes runs fsdp2 (tensorwise and rowwise_with_gw_hp) and tp2 (tensorwise through torchao's FP8
-styles, rowwise through the plain ones) over fp32 activations, and fsdp2 and tp2 as a user runs FP8 (bf16 compute).
+styles, rowwise through the plain ones; tensorwise also on a Llama without biases and q/k norms and on GPT-OSS) over
+fp32 activations, and fsdp2 and tp2 as a user runs FP8 (bf16 compute).
 
 The reference of a layout is one process that sees the same tensors and adds the same numbers in the same order.
 FP8 casts make that necessary: a 1e-7 difference in an fp32 sum moves a value near an e4m3 or e5m2 rounding
@@ -39,12 +40,16 @@ import harness  # noqa: E402
 
 SPECS = [
     "fsdp2:fp8_fp32", "fsdp2:fp8_gw_fp32", "tp2:fp8_fp32", "tp2:fp8_rw_fp32", "fsdp2:fp8", "tp2:fp8",
-    "tp2:fp8_plain_fp32",
+    "tp2:fp8_plain_fp32", "tp2:fp8_gpt_oss_fp32",
 ]  # fmt: skip
 LATER_RTOL = (5e-3, 5e-2)  # loss, grad norm
 EXACT = (FP32_RTOL, FP32_RTOL)
 # Against the plain one process an FP8 flip already lands at step 1 here (measured: grad norm 1.3e-4 off).
 FLIPS_AT_STEP_1 = ("fp8_plain_fp32",)
+# GPT-OSS (a biased row-parallel o_proj, MoE experts, sinks): within 1e-5 of the summed-as-tp2 reference for these
+# steps only, LATER_RTOL after them; every other variant on every step. Its first step's gradients after clipping
+# differ by 1e-7 relative throughout (docs/benchmarks.md "FP8 layouts against one process").
+ORDERED_EXACT_STEPS = {"fp8_gpt_oss_fp32": 3}
 
 
 def _reference(case: str, variant: str, ordered: bool = False) -> list:
@@ -84,7 +89,9 @@ def _tp2_misses(spec: str, variant: str, got: list) -> list[str]:
     plain, ordered = _reference("tp2", variant), _reference("tp2", variant, ordered=True)
     every, first = harness.STEPS + 1, LATER_RTOL if variant in FLIPS_AT_STEP_1 else EXACT
     bad = _misses(spec, got, plain, range(1, 2), first) + _misses(spec, got, plain, range(2, every + 1), LATER_RTOL)
-    bad += _misses(f"{spec} (summed as tp2)", got, ordered, range(1, every + 1), EXACT)
+    exact = ORDERED_EXACT_STEPS.get(variant, every)
+    bad += _misses(f"{spec} (summed as tp2)", got, ordered, range(1, exact + 1), EXACT)
+    bad += _misses(f"{spec} (summed as tp2)", got, ordered, range(exact + 1, every + 1), LATER_RTOL)
     if ordered == plain:  # the reference would prove nothing: it must compute otherwise than the plain process
         bad.append(f"{spec}: summing as tp2 changed nothing in the one-process run")
     return bad
