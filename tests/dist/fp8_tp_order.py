@@ -11,7 +11,9 @@ the first step. `tp_summation_order(parts, tp)` makes one process compute as the
   forward, a column-parallel grad_input) the ranks' partial products added in rank order. The float8 operands are
   dequantized as torchao's CPU emulation does (data / scale, fp32);
 - a column-parallel linear's bias gradient, each rank's column sum over the tokens; a per-head norm (q/k norm) run
-  on each rank's heads, its weight gradient the ranks' sums added;
+  on each rank's heads, its weight gradient the ranks' sums added; a replicated norm run on its input as a node of
+  its own, as the DTensor NormParallel makes it (which decides the order of the three terms of the input's
+  gradient: the residual's and the norm's two);
 - the cross-entropy over vocabulary-split logits as torch's `loss_parallel` computes it (torch/distributed/tensor/
   parallel/loss.py): each rank's sum of exponentials added in rank order, and its own backward ((one-hot of -1 +
   softmax) * grad, which rounds otherwise than log_softmax's backward);
@@ -19,8 +21,8 @@ the first step. `tp_summation_order(parts, tp)` makes one process compute as the
 
 The all-reduce adds the ranks' partial sums; for two ranks p0 + p1 == p1 + p0 exactly (IEEE addition commutes),
 so gloo's reduction order cannot matter. For more ranks a ring all-reduce adds in a rotating order per chunk of
-the buffer, which this reference does not model: it is built for tp2. What it does not replay yet (the gradient
-reaching the embedding differs by 1e-7 at step 1): docs/benchmarks.md "FP8 layouts against one process".
+the buffer, which this reference does not model: it is built for tp2 (docs/benchmarks.md "FP8 layouts against one
+process").
 """
 
 from __future__ import annotations
@@ -164,6 +166,16 @@ def by_head_ranks(norm: nn.Module, tp: int):
     return run
 
 
+def on_own_input(norm: nn.Module):
+    """A replicated norm's forward on a view of its input: a node of its own in the autograd graph, as the DTensor
+    NormParallel makes of it (DTensor.from_local). The norm uses its input twice (the square and the scaling; the
+    cast to its float32 compute dtype is no copy), so the input's gradient has three terms with the residual's:
+    autograd adds them in one order where the input is shared, while under tp2 the norm's two are added first and
+    the residual's to their sum."""
+    forward = norm.forward
+    return lambda x: forward(x.view_as(x))
+
+
 def biased_colwise_forward(mod: nn.Module, tp: int):
     """torchao's Float8Linear.forward with the bias added through BiasByRanks."""
     from torchao.float8.float8_linear import matmul_with_hp_or_float8_args
@@ -186,6 +198,14 @@ def sharded_loss_fn(cfg, tp: int):
     return loss_fn
 
 
+# The norms' styles (parallel/tp.py make_style) and how the reference runs each as the ranks do.
+NORM_WRAPS = {
+    "head_norm": by_head_ranks,
+    "norm": lambda norm, tp: on_own_input(norm),
+    "norm_to_head": lambda norm, tp: on_own_input(norm),
+}
+
+
 def split_linears(parts: list[nn.Module], tp: int) -> dict[str, str]:
     """Give each linear of the model's tensor-parallel plan its ranks' GEMMs: {module path: style}. A Float8Linear
     gets a SplitMMConfig (its emulated GEMMs then go through rank_gemms), a plain `vocab_head` linear HeadByRanks."""
@@ -198,8 +218,8 @@ def split_linears(parts: list[nn.Module], tp: int) -> dict[str, str]:
     for part in parts:
         for path, style in resolve_plan(part, family_of(part.config).tp_plan(part)).items():
             mod = part.get_submodule(path)
-            if style == "head_norm":
-                mod.forward = by_head_ranks(mod, tp)
+            if style in NORM_WRAPS:
+                mod.forward = NORM_WRAPS[style](mod, tp)
                 marked[path] = style
             if style not in STYLE_SPLITS or not isinstance(mod, nn.Linear):
                 continue

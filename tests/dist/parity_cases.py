@@ -395,6 +395,9 @@ FP8_VARIANTS["fp8_plain_fp32"] = {
     "model.model_config.use_qk_norm": False,
 }
 FP8_FP32 = (*FP8_FP32, "fp8_plain_fp32")
+# GPT-OSS in FP8 over fp32 activations: a biased row-parallel o_proj under tp2.
+FP8_VARIANTS["fp8_gpt_oss_fp32"] = {**FP8_VARIANTS["fp8_fp32"], **VARIANTS["gpt_oss"]}
+FP8_FP32 = (*FP8_FP32, "fp8_gpt_oss_fp32")
 
 # Preference training (tests/parity/test_preference_layouts.py): DPO against a frozen copy of the starting weights
 # with three loss types at once (sigmoid; ipo, which divides by each completion's length; sft, the token mean over

@@ -1,7 +1,8 @@
 """FP8 linears (fp8_config) under FSDP2 and tensor parallelism give the one-process FP8 numbers.
 
 One launch of two processes runs fsdp2 (tensorwise and rowwise_with_gw_hp) and tp2 (tensorwise through torchao's FP8
-styles, rowwise through the plain ones) over fp32 activations, and fsdp2 and tp2 as a user runs FP8 (bf16 compute).
+styles, rowwise through the plain ones; tensorwise also on a Llama without biases and q/k norms and on GPT-OSS) over
+fp32 activations, and fsdp2 and tp2 as a user runs FP8 (bf16 compute).
 
 The reference of a layout is one process that sees the same tensors and adds the same numbers in the same order.
 FP8 casts make that necessary: a 1e-7 difference in an fp32 sum moves a value near an e4m3 or e5m2 rounding
@@ -12,14 +13,13 @@ boundary into the next FP8 step (2^-4 or 2^-2 relative), and training carries th
   torchtitan: no layout all-reduces activation scales), so every scale is the same as the ranks'. Within 1e-5 on
   every step (measured: equal up to 1e-7).
 - tp2: the plain one process (the whole batch, one GEMM per product) within 1e-5 at the first step, where every
-  scale and every FP8 value still agree (its loss differs by 2e-7: tensor parallelism's split sums). Then one
-  process that computes as the two ranks do (tests/dist/fp8_tp_order.py: each GEMM of a planned linear with the
-  ranks' local shapes, partial products added in rank order, bias and per-head norm gradients summed per rank,
-  loss_parallel's vocabulary-split cross-entropy): equal to the last bit at the first step (loss and grad norm),
-  and within 1e-5 for EXACT_STEPS steps. After that an fp32 difference this reference does not replay (the
-  gradient reaching the embedding differs by 1e-7 relative already at the first step, the layers' own weight
-  gradients bit-equal; docs/benchmarks.md "FP8 layouts against one process") crosses an FP8 rounding boundary
-  and the runs part by FP8 steps: LATER_RTOL, as against the plain process.
+  scale and every FP8 value still agree (its loss differs by 2e-7: tensor parallelism's split sums; not on the
+  Llama without q/k/v biases and q/k norms, FLIPS_AT_STEP_1), LATER_RTOL after it (a 1e-7 difference crosses an
+  FP8 rounding boundary). And within 1e-5 at every step, in both recipes and on that Llama (fp8_plain_fp32), the
+  one process that computes as the two ranks do (tests/dist/fp8_tp_order.py: each GEMM of a planned linear with
+  the ranks' local shapes, partial products added in rank order, bias and per-head norm gradients summed per
+  rank, a replicated norm's input its own autograd node, loss_parallel's vocabulary-split cross-entropy;
+  measured: equal to the last bit or within 1.1e-7, docs/benchmarks.md "FP8 layouts against one process").
 - bf16 compute: bf16's own rounding on top, against the plain one process: LATER_RTOL on every step.
 """
 
@@ -38,10 +38,18 @@ sys.path.insert(0, str(DIST))
 import fp8_tp_order  # noqa: E402
 import harness  # noqa: E402
 
-SPECS = ["fsdp2:fp8_fp32", "fsdp2:fp8_gw_fp32", "tp2:fp8_fp32", "tp2:fp8_rw_fp32", "fsdp2:fp8", "tp2:fp8"]
+SPECS = [
+    "fsdp2:fp8_fp32", "fsdp2:fp8_gw_fp32", "tp2:fp8_fp32", "tp2:fp8_rw_fp32", "fsdp2:fp8", "tp2:fp8",
+    "tp2:fp8_plain_fp32", "tp2:fp8_gpt_oss_fp32",
+]  # fmt: skip
 LATER_RTOL = (5e-3, 5e-2)  # loss, grad norm
 EXACT = (FP32_RTOL, FP32_RTOL)
-EXACT_STEPS = {"fp8_fp32": 2, "fp8_rw_fp32": 3}  # tp2 against the reference that sums as its ranks do
+# Against the plain one process an FP8 flip already lands at step 1 here (measured: grad norm 1.3e-4 off).
+FLIPS_AT_STEP_1 = ("fp8_plain_fp32",)
+# GPT-OSS (a biased row-parallel o_proj, MoE experts, sinks): within 1e-5 of the summed-as-tp2 reference for these
+# steps only, LATER_RTOL after them; every other variant on every step. Its first step's gradients after clipping
+# differ by 1e-7 relative throughout (docs/benchmarks.md "FP8 layouts against one process").
+ORDERED_EXACT_STEPS = {"fp8_gpt_oss_fp32": 3}
 
 
 def _reference(case: str, variant: str, ordered: bool = False) -> list:
@@ -79,8 +87,9 @@ def _misses(spec: str, got: list, ref: list, steps: range, bounds: tuple[float, 
 
 def _tp2_misses(spec: str, variant: str, got: list) -> list[str]:
     plain, ordered = _reference("tp2", variant), _reference("tp2", variant, ordered=True)
-    exact, every = EXACT_STEPS[variant], harness.STEPS + 1
-    bad = _misses(spec, got, plain, range(1, 2), EXACT) + _misses(spec, got, plain, range(2, every + 1), LATER_RTOL)
+    every, first = harness.STEPS + 1, LATER_RTOL if variant in FLIPS_AT_STEP_1 else EXACT
+    bad = _misses(spec, got, plain, range(1, 2), first) + _misses(spec, got, plain, range(2, every + 1), LATER_RTOL)
+    exact = ORDERED_EXACT_STEPS.get(variant, every)
     bad += _misses(f"{spec} (summed as tp2)", got, ordered, range(1, exact + 1), EXACT)
     bad += _misses(f"{spec} (summed as tp2)", got, ordered, range(exact + 1, every + 1), LATER_RTOL)
     if ordered == plain:  # the reference would prove nothing: it must compute otherwise than the plain process
