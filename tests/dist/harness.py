@@ -28,6 +28,7 @@ from meshformer.train.moe_balance import MoeBalanceHook
 from meshformer.train.optim import Optimizers, Schedule
 from meshformer.train.precomputed_reference import PrecomputedReference, reference_table
 from meshformer.train.step import build_parts, build_reference, clip_threshold, evaluate, train_step
+from gather_probe import GatherProbe
 from parity_cases import (
     BALANCE as BALANCE,
 )
@@ -194,18 +195,24 @@ def _run_built(built, cfg, env, n_micro: int, packed: bool) -> tuple[list[tuple[
             objective.reference = precomputed_tables(built.parts, objective, cfg, env, n_micro, packed)
     opt = Optimizers(built.parts.parts, cfg)
     meter = MemoryMeter(env, built.parts, opt)
+    probe, gathers = None, []  # the teacher's FSDP gathers of each step (tests/parity/test_distill_layouts.py)
     if isinstance(objective, DistillObjective):
         meter.watch_teacher(objective.teacher)  # tests/parity/test_distill_layouts.py holds the planner to it
+        probe = GatherProbe(objective.teacher.parts)
     memory = {}
 
     def measure(step: int) -> None:
         nonlocal memory
         if step < 2:  # the second step's measurement (train/memory.py: MEASURED_STEPS)
             memory = {"stage": env.pp_rank, **meter.record()}
+        if probe is not None:
+            gathers.append(probe.step_record())
 
     out = train_steps(
         built.parts, opt, cfg, env, n_micro, range(STEPS), packed, hooks=[meter], after=measure, objective=objective
     )
+    if probe is not None:
+        memory["teacher_gathers"] = gathers
     biases = router_biases(built.parts)
     if biases:  # MoE routing biases after the last update, by layer (each pipeline stage has its own)
         memory["router_biases"] = biases

@@ -1,6 +1,7 @@
 """The distillation step (train/distill_step.py) with its teacher (train/distill_teacher.py) on every layout it runs on
 equals one process: the parity model (a Llama) learns from a Mistral teacher of another width and depth, built and
-parallelized as the student: dp2 with accumulation, FSDP, tp2 (the divergence on vocab shards), tp2 with sequence
+parallelized as the student: dp2 with accumulation, FSDP (and under ZeRO-3 with recompute and accumulation), tp2
+(the divergence on vocab shards), tp2 with sequence
 parallelism and accumulation, and pp2 under 1F1B, interleaved 1F1B and ZBV (the teacher's stages walked
 forward-only, its logits on the student's last stage; ZBV puts the first and last stage on one rank). The
 variant (harness.DISTILL_VARIANTS) uses every part of the loss: the JSD, a temperature, the teacher's top-k support
@@ -25,6 +26,7 @@ import harness  # noqa: E402
 SPECS = [
     "dp2_accum:distill",
     "fsdp2:distill",
+    "fsdp2_zero3_rc_accum:distill",
     "tp2:distill",
     "tp2_sp_accum:distill",
     "pp2_1f1b:distill",
@@ -122,3 +124,30 @@ def test_planner_predicts_the_teachers_memory_on_every_layout(results, teacher, 
     # 1F1B's last stage holds all 16 rows' logits (4 micro-batches of 4) with the labels, float32
     seq = harness.variant_cfg("distill", "pp2_1f1b").model.model_config.seq_length
     assert kept["pp2_1f1b:distill"] == 16 * seq * (harness.VOCAB + 1) * 4
+
+
+def test_the_teacher_gathers_its_root_once_a_step(results):
+    """Without pipeline parallelism the teacher runs inside the student's loss, one micro-batch at a time
+    (train/frozen_model.py micro_batch_logits), and frees its FSDP-gathered weights once, after the step's last
+    micro-batch: its root (embedding, final norm, head) is gathered once per step, not once per micro-batch. Its
+    layers are gathered once per micro-batch where FSDP frees them after their forward (ZeRO-3), else once per step
+    as the root. Every data-parallel spec of the launch above, every rank and step (tests/dist/gather_probe.py:
+    a unit gathers when its forward starts with its weights sharded), and every unit sharded again after the step."""
+    bad, probed = [], set()
+    for spec in SPECS:
+        overrides, n_micro = harness.CASES[spec.split(":")[0]]
+        zero3 = overrides.get("recompute_config.parallel_optimizer_comm_recompute", False)
+        for rank in range(2):
+            steps = results[f"{spec}:memory:{rank}"]["teacher_gathers"]
+            assert len(steps) == harness.STEPS, (spec, rank)
+            for step, record in enumerate(steps, 1):
+                gathers = record["gathers"]
+                if not gathers:  # no FSDP unit: tensor or pipeline parallelism alone
+                    continue
+                probed.add(spec)
+                want = {unit: n_micro if zero3 and unit != "root" else 1 for unit in gathers}
+                if "root" not in gathers or gathers != want or not record["freed"]:
+                    bad.append(f"{spec} rank {rank} step {step}: {record}, want gathers {want} and freed")
+    # replicate with 4 micro-batches, FSDP with one, ZeRO-3 with 2: the root gathered once where it could be 4 or 2
+    assert probed == {"dp2_accum:distill", "fsdp2:distill", "fsdp2_zero3_rc_accum:distill"}, probed
+    assert not bad, "\n".join(bad)

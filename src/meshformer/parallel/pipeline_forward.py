@@ -1,5 +1,6 @@
-"""A forward-only pass through a frozen model's pipeline stages: a second model in the step (a distillation teacher)
-whose logits the student's last stage needs for the same micro-batches.
+"""A forward-only pass through a frozen model's pipeline stages: a second model in the step (a distillation teacher,
+a preference reference: train/frozen_model.py) whose logits the trained model's last stage needs for the same
+micro-batches.
 
 The training schedules cannot serve it: they always run backward, and a frozen model has none to run. Its stages
 are walked in global order for each micro-batch, as `PipelineParts.eval_loss` walks the student's, but with plain

@@ -1,5 +1,5 @@
 """The distillation step's loss: what the student's parts call per micro-batch in place of the token cross-entropy,
-with the teacher's logits (train/distill_teacher.py) for the same micro-batch, and the step's metrics.
+with the teacher's logits (train/distill_teacher.py, a FrozenModel) for the same micro-batch, and the step's metrics.
 
 Targets: the parts hand the loss (logits, targets), and what the teacher needs travels with the micro-batch's rows
 through accumulation and pipeline schedules (which split targets by rows). Without pipeline parallelism targets
@@ -46,7 +46,7 @@ class DistillObjective:
         mc = cfg.model.model_config
         self.dc, self.env = cfg.distill_config, env
         self.ignore, self.dtype = mc.ignore_token_id, DTYPE[mc.softmax_compute_dtype]
-        self.teacher = None  # train/distill_teacher.py Teacher, set by whoever built it
+        self.teacher = None  # a FrozenModel (train/distill_teacher.py build_teacher), set by whoever built it
         self.placements = None  # the teacher's logits' DTensor layout (tensor parallelism), None: plain tensors
         self.records: list[torch.Tensor] = []
 
@@ -57,7 +57,8 @@ class DistillObjective:
         the teacher's forward runs here, for all micro-batches, before the student's."""
         n_tok = self.env.reduce_sum((labels != self.ignore).sum().to(torch.float64), "loss")
         self.records = []
-        if not self.teacher.pipelined:
+        if not self.teacher.pipelined:  # the loss runs it per micro-batch; its weights are freed after the last
+            self.teacher.expect_micro_batches(n_micro)
             columns = [labels, inputs] + ([documents] if documents is not None else [])
             return torch.stack(columns, dim=-1).to(torch.float64), n_tok
         targets = []  # filled by the teacher's pass on the last stage, as its logits come
@@ -65,7 +66,7 @@ class DistillObjective:
         def keep(logits: torch.Tensor, i: int) -> None:
             self._keep(targets, labels, logits, i, n_micro)
 
-        self.teacher.pipelined_logits(inputs, n_micro, keep)
+        self.teacher.map_logits(inputs, None, n_micro, keep)  # packed rows are refused under pipelines
         if not targets:  # a pipeline stage before the last: the loss never runs here
             return labels.unsqueeze(-1).float(), n_tok
         return targets[0], n_tok

@@ -9,21 +9,20 @@ micro-batch sit on the ranks, and in the vocabulary shards, where the student's 
 moving anything. Its layout must fit its own shape (tensor parallelism divides its heads, pipeline stages at most
 its layers): a mismatch is one line naming the teacher.
 
-Its forward runs under `torch.no_grad()` in eval mode: no activations kept, no gradients, no optimizer state.
-Without pipeline parallelism it runs inside the student's loss, one micro-batch at a time, so only one
-micro-batch's teacher logits ever exist; with it, its stages are walked forward-only for all the step's
-micro-batches before the student's schedule runs (parallel/pipeline_forward.py), and their logits wait on the last
-stage, where the student's loss runs.
+It is a FrozenModel (train/frozen_model.py), as a preference run's reference is: its forward runs under
+`torch.no_grad()` in eval mode (no activations kept, no gradients, no optimizer state). Without pipeline
+parallelism it runs inside the student's loss, one micro-batch at a time (`micro_batch_logits`), so only one
+micro-batch's teacher logits ever exist, and its FSDP-gathered weights are freed once, after the step's last
+micro-batch; with it, its stages are walked forward-only for all the step's micro-batches before the student's
+schedule runs (`map_logits`, parallel/pipeline_forward.py), and their logits wait on the last stage, where the
+student's loss runs.
 """
 
 from __future__ import annotations
 
-import contextlib
 import copy
 from collections.abc import Sequence
 from pathlib import Path
-
-import torch
 
 from meshformer.checkpoint import store
 from meshformer.config.schema import MeshformerConfig
@@ -31,9 +30,9 @@ from meshformer.config.validate import validate_layout
 from meshformer.errors import UserError
 from meshformer.models.init import canonical_name
 from meshformer.parallel import ParallelEnv
-from meshformer.parallel.pipeline_forward import pipeline_forward
 from meshformer.train.base_source import BaseModelSource, source_of
 from meshformer.train.finetune import base_model_config
+from meshformer.train.frozen_model import FrozenModel
 from meshformer.train.step import build_parts
 
 FIELD = "distill_config.teacher"
@@ -69,39 +68,8 @@ def teacher_config(cfg: MeshformerConfig, sources: Sequence[BaseModelSource] = (
     return out
 
 
-class Teacher:
-    """The frozen teacher on this rank, in eval mode, its parameters without gradients."""
-
-    def __init__(self, parts):
-        for p in parts.parameters():
-            p.requires_grad_(False)
-        parts.train(False)
-        self.parts = parts
-        self.pipelined = parts.env.pp_size > 1
-        self.measure = contextlib.nullcontext  # what the memory meter watches its forward with (train/memory.py)
-
-    @torch.compiler.disable  # the student's loss may be compiled (parallel/parallelize.py): the teacher stays out
-    @torch.no_grad()
-    def micro_batch_logits(self, inputs: torch.Tensor, documents: torch.Tensor | None) -> torch.Tensor:
-        """One micro-batch's logits, without pipeline parallelism; called inside the student's loss, so under its
-        loss context (vocab-sharded logits with tensor parallelism), which is not entered again here."""
-        model = self.parts.parts[0]
-        with self.measure(), self.parts.autocast():
-            logits = model(inputs) if documents is None else model(inputs, documents=documents)
-        self.parts.reshard()  # no backward frees its FSDP-gathered weights
-        return logits
-
-    def pipelined_logits(self, inputs: torch.Tensor, n_micro: int, keep) -> list:
-        """[keep(logits, i) for each micro-batch of this rank's rows] on the last pipeline stage, [] on the others:
-        the whole pipeline runs before the student's schedule (packed rows are refused under pipelines)."""
-        with self.measure():
-            kept = pipeline_forward(self.parts, inputs, n_micro, keep)
-        self.parts.reshard()
-        return kept
-
-
-def build_teacher(cfg: MeshformerConfig, env: ParallelEnv, sources: Sequence[BaseModelSource] = ()) -> Teacher:
-    """The teacher `distill_config.teacher` names, built as the student is and loaded with its weights."""
+def build_teacher(cfg: MeshformerConfig, env: ParallelEnv, sources: Sequence[BaseModelSource] = ()) -> FrozenModel:
+    """The teacher `distill_config.teacher` names, built as the student is, loaded with its weights, frozen."""
     tcfg = teacher_config(cfg, sources)
     built = build_parts(tcfg, env, transforms=())
     # by their checkpoint names: a compiled or recomputed layer's wrappers are not part of them
@@ -112,4 +80,4 @@ def build_teacher(cfg: MeshformerConfig, env: ParallelEnv, sources: Sequence[Bas
         store.load_full_weights(built.parts.parts, source.weights(path, expected, FIELD))
     else:
         store.load_model_weights(store.resolve_checkpoint(path), built.parts.parts, expected)
-    return Teacher(built.parts)
+    return FrozenModel.frozen(built.parts)

@@ -13,11 +13,11 @@ Measured on the first step of every run, so a planner's prediction can be checke
   with its adapters off own none) and the peak of the tensors its no_grad forward creates and frees again (the
   logits of a micro-batch, their log-probabilities, autocast's weight copies), counted per operation by a
   dispatch mode since nothing is saved for backward;
-- a distillation teacher (train/distill_teacher.py), as the reference: its weights, the peak of its no_grad
-  forward (one micro-batch's inside the student's loss; under pipeline parallelism its whole pass before the
-  student's schedule), and the bytes that forward leaves alive for the loss: its logits (a micro-batch's; under
-  pipeline parallelism all of the step's, on the last stage). What the divergence saves for the student's backward
-  is the student's: in the activations;
+- a distillation teacher (a FrozenModel, train/distill_teacher.py), as the reference: its weights, the peak of
+  its no_grad forward (one micro-batch's inside the student's loss; under pipeline parallelism its whole pass
+  before the student's schedule), and the bytes that forward leaves alive for the loss: its logits (a
+  micro-batch's; under pipeline parallelism all of the step's, on the last stage). What the divergence saves for
+  the student's backward is the student's: in the activations;
 - KTO's KL pass (the policy's no_grad forward over the KL rows, before its step): its peak, as a reference's;
 - peak: on a GPU the CUDA allocator's peak; on the CPU (no allocator peak) the states, the second model's weights
   and the larger of the activations and the reference's forward (it runs before the policy's); a teacher's forward
@@ -194,9 +194,9 @@ class MemoryMeter:
         self._watch("reference", reference, reference.owns_weights)
 
     def watch_teacher(self, teacher) -> None:
-        """Measure a distillation `teacher` (train/distill_teacher.py Teacher): its weights, its forward's peak and
-        the logits it leaves for the loss."""
-        self._watch("teacher", teacher, True)
+        """Measure a distillation `teacher` (a FrozenModel, train/distill_teacher.py): its weights, its forward's
+        peak and the logits it leaves for the loss."""
+        self._watch("teacher", teacher, teacher.owns_weights)
         self.second_beside = not teacher.pipelined
 
     def watch_kl_pass(self, objective) -> None:
