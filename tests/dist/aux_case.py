@@ -18,8 +18,8 @@ import harness  # noqa: E402
 from meshformer.models.aux_loss import report_aux_loss  # noqa: E402
 from meshformer.models.transforms import ModelTransform  # noqa: E402
 from meshformer.parallel import init_parallel  # noqa: E402
-from meshformer.train.optim import Optimizers, Schedule  # noqa: E402
-from meshformer.train.step import build_parts, clip_threshold, train_step  # noqa: E402
+from meshformer.train.optim import Optimizers  # noqa: E402
+from meshformer.train.step import build_parts  # noqa: E402
 
 COEF = 0.01
 NAME = "sq"
@@ -51,32 +51,16 @@ TRANSFORM = ModelTransform("report squares", lambda cfg: True, _report_squares)
 
 
 def run(case: str | None, world_size: int | None = None, steps: int = STEPS) -> tuple[list[list[float]], object]:
-    """[loss, grad norm, logged aux loss] of each step of `case` (None: one process), and the env."""
+    """[loss, grad norm, logged aux loss] of each step of `case` (None: one process), and the env: the harness's
+    steps (harness.train_steps, the trainer's step on its fixed batches) on the model with TRANSFORM."""
     cfg = harness.make_cfg(harness.CASES[case][0] if case else {})
     env = init_parallel(cfg, world_size)
     n_micro = harness.CASES[case][1] if case else 1
     built = build_parts(cfg, env, [TRANSFORM])
     opt = Optimizers(built.parts.parts, cfg)
-    schedule = Schedule(opt, cfg, steps)
-    inputs, labels, _ = harness.batches()
-    per = harness.GLOBAL_BATCH // env.dp_size
-    rows = slice(env.dp_rank * per, (env.dp_rank + 1) * per)
-    out = []
-    for step in range(steps):
-        schedule.apply(step)
-        r = train_step(
-            built.parts,
-            opt,
-            env,
-            inputs[step, rows].to(env.device),
-            labels[step, rows].to(env.device),
-            n_micro=n_micro,
-            ignore_index=cfg.model.model_config.ignore_token_id,
-            max_grad_norm=clip_threshold(cfg),
-            step=step + 1,
-        )
-        out.append([r.loss, r.grad_norm, r.aux_losses.get(NAME, float("nan"))])
-    return out, env
+    rows = harness.train_steps(built.parts, opt, cfg, env, n_micro, range(steps))
+    # (loss, grad norm, *the aux losses by name): this model reports NAME alone; nan if it went missing
+    return [[loss, grad_norm, *(aux or [float("nan")])] for loss, grad_norm, *aux in rows], env
 
 
 def main() -> None:
