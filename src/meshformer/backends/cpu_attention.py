@@ -9,9 +9,12 @@ only (the blocks above the diagonal are skipped, as flash skips them), the softm
 probabilities are rounded to the input dtype before they meet v, as flash rounds them. Inductor fuses each block's
 element-wise work (scale, mask, softmax and their backward) into a few kernels.
 
-`checkpointed_attention` runs it under activation checkpointing: only q, k and v are kept for backward, which
-recomputes the blocks (no [seq, seq] scores survive the forward, and the compiled graph's partitioner cannot choose
-to keep them, as it does without the checkpoint).
+`checkpointed_attention` runs it under activation checkpointing, which decides what backward keeps. On short rows
+(`keeps_probabilities`) a selective checkpoint keeps the blocks' fp32 probabilities and the matmuls' outputs and
+recomputes only the element-wise work around them (masks, casts, the copies of q and k slices the matmuls read):
+backward then runs no matmul twice. Without any checkpoint Inductor's partitioner would choose what to keep itself,
+and it keeps those slice copies too. On long rows, where the probabilities grow with the square of the row, a plain
+checkpoint keeps only q, k and v and backward recomputes the blocks: flash attention's trade.
 
 GQA: the query heads that share a key/value head are stacked along the rows of one matmul ([groups * block,
 head_dim] against [keys, head_dim]): keys and values are never repeated. Packed rows (SFT packing) pass their
@@ -23,14 +26,22 @@ sinks (GPT-OSS) join each row's softmax as one more column of value zero.
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import torch
 import torch.utils.checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 # At most this many query blocks: the loop unrolls into the compiled graph, whose size (and compile time) grows with
 # it; 16 blocks skip 47% of the score matmuls (flash's causal skipping reaches 50%).
 MAX_BLOCKS = 16
 MIN_BLOCK = 64  # fastest on the CPU measured: 32 leaves the matmuls too small, 128 skips fewer scores
+# Backward keeps the probabilities while they take at most this many times q, k and v's bytes: rows up to about
+# 10 x head_dim in bf16 (twice that in fp32). Past it the kept bytes would grow with the row's square.
+KEEP_PROBABILITIES_UP_TO = 4
+# What the selective checkpoint keeps: the softmax's fp32 output (its own backward and the values' gradient read it)
+# and the batched matmuls' outputs (so none runs again).
+KEPT_OPS = frozenset({torch.ops.aten._softmax.default, torch.ops.aten.bmm.default})
 
 
 def runs_blocked(q: torch.Tensor) -> bool:
@@ -41,10 +52,37 @@ def runs_blocked(q: torch.Tensor) -> bool:
 
 
 def checkpointed_attention(q, k, v, mask=None, scale=None, window=None, sinks=None) -> torch.Tensor:
-    """`blocked_causal_attention` (its own block size) under a non-reentrant checkpoint: backward keeps q, k, v."""
+    """`blocked_causal_attention` (its own block size) under a non-reentrant checkpoint: a selective one keeping the
+    probabilities where `keeps_probabilities`, else a plain one keeping q, k and v (module docstring)."""
+    context = {"context_fn": _keep_probabilities_context} if keeps_probabilities(q, k, v, window) else {}
     return torch.utils.checkpoint.checkpoint(
-        blocked_causal_attention, q, k, v, 0, mask, scale, window, sinks, use_reentrant=False
+        blocked_causal_attention, q, k, v, 0, mask, scale, window, sinks, use_reentrant=False, **context
     )
+
+
+def keeps_probabilities(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None = None) -> bool:
+    """Whether backward keeps the blocks' fp32 probabilities: while they take at most KEEP_PROBABILITIES_UP_TO
+    times q, k and v's bytes."""
+    b, h, s, _ = q.shape
+    block = _block_size(s)
+    scores = 0
+    for i0 in range(0, s, block):
+        i1 = min(i0 + block, s)
+        scores += (i1 - i0) * (i1 - (0 if window is None else max(0, i0 - window + 1)))
+    inputs = sum(t.numel() * t.element_size() for t in (q, k, v))
+    return b * h * scores * 4 <= KEEP_PROBABILITIES_UP_TO * inputs
+
+
+def _keep_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in KEPT_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+_keep_probabilities_context = partial(create_selective_checkpoint_contexts, _keep_policy)
+
+
+def _block_size(s: int) -> int:
+    """Query rows per block: MIN_BLOCK, raised so that there are at most MAX_BLOCKS."""
+    return max(MIN_BLOCK, -(-s // MAX_BLOCKS))
 
 
 def blocked_causal_attention(
@@ -69,7 +107,7 @@ def blocked_causal_attention(
     kv, dv = k.shape[1], v.shape[-1]
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     g = h // kv
-    block = block or max(MIN_BLOCK, -(-s // MAX_BLOCKS))
+    block = block or _block_size(s)
     acc = torch.promote_types(q.dtype, torch.float32)
     outs = []
     for i0 in range(0, s, block):
