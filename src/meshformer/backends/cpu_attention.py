@@ -32,6 +32,8 @@ import torch
 import torch.utils.checkpoint
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
+from meshformer.backends.torch_private import softmax_op
+
 # At most this many query blocks: the loop unrolls into the compiled graph, whose size (and compile time) grows with
 # it; 16 blocks skip 47% of the score matmuls (flash's causal skipping reaches 50%).
 MAX_BLOCKS = 16
@@ -41,7 +43,7 @@ MIN_BLOCK = 64  # fastest on the CPU measured: 32 leaves the matmuls too small, 
 KEEP_PROBABILITIES_UP_TO = 4
 # What the selective checkpoint keeps: the softmax's fp32 output (its own backward and the values' gradient read it)
 # and the batched matmuls' outputs (so none runs again).
-KEPT_OPS = frozenset({torch.ops.aten._softmax.default, torch.ops.aten.bmm.default})
+KEPT_OPS = frozenset({softmax_op(), torch.ops.aten.bmm.default})
 
 
 def runs_blocked(q: torch.Tensor) -> bool:

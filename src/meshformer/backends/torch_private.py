@@ -106,6 +106,12 @@ def attention_kernel_ops() -> list:
     ]
 
 
+def softmax_op():
+    """The aten op behind torch.softmax (torch.ops.aten._softmax.default, torch 2.13.0): what a selective checkpoint
+    policy sees a softmax as."""
+    return torch.ops.aten._softmax.default
+
+
 def checkpoint_wrapper(module: torch.nn.Module, **kwargs) -> torch.nn.Module:
     """`module` under non-reentrant activation checkpointing; inside a model its parameter names gain
     `_checkpoint_wrapped_module.` (torch.distributed.algorithms._checkpoint.checkpoint_wrapper, torch 2.13.0;
