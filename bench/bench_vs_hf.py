@@ -233,13 +233,16 @@ def check_logits(parts, hf, a, autocast_dtype) -> float:
 
 
 def measure_peak(dtype) -> tuple[float, str]:
-    from meshformer.backends.peaks import peak_flops
+    from meshformer.backends.cpu import cpu_has_bf16
+    from meshformer.backends.peaks import measure_matmul_peak
 
-    best = 0.0
-    for _ in range(3):  # best of three: the machine is shared, a slow sample is someone else's load
-        f, src = peak_flops(torch.device("cpu"), dtype, 0.0)
-        best = max(best, f)
-    return best, src + " (best of 3 calls, each the best of several square matmuls)"
+    cpu = torch.device("cpu")
+    if dtype != torch.float32 and not cpu_has_bf16():  # bf16 matmuls are fp32 work here (backends/peaks.py)
+        peak, src = measure_peak(torch.float32)
+        return peak, src + "; this CPU has no bf16 matmul units"
+    # best of three: the machine is shared, a slow sample is someone else's load
+    best = max((measure_matmul_peak(cpu, dtype) for _ in range(3)), key=lambda m: m.flops)
+    return best.flops, f"measured: best of 3 calls, each the best of {len(best.rates)} matmuls; {best.best}"
 
 
 def profile_steps(name, fn, n):
