@@ -96,13 +96,9 @@ def parse_args(argv=None):
 
 
 # ---- meshformer ----------------------------------------------------------------------------------------------
-def build_meshformer(a):
-    from meshformer.config import load_config
-    from meshformer.parallel import init_parallel
-    from meshformer.train.optim import Optimizers
-    from meshformer.train.step import build_parts
-
-    o = {
+def model_overrides(a) -> dict:
+    """The model these flags describe (untied, fp32 master weights, compute in --dtype) as config overrides."""
+    return {
         "model.model_config.hidden_size": a.hidden,
         "model.model_config.num_layers": a.layers,
         "model.model_config.num_heads": a.heads,
@@ -114,6 +110,17 @@ def build_meshformer(a):
         "model.model_config.compute_dtype": "bfloat16" if a.dtype == "bf16" else "float32",
         "model.model_config.param_init_type": "float32",
         "train_dataset.batch_size": a.batch,
+    }
+
+
+def build_meshformer(a):
+    from meshformer.config import load_config
+    from meshformer.parallel import init_parallel
+    from meshformer.train.optim import Optimizers
+    from meshformer.train.step import build_parts
+
+    o = {
+        **model_overrides(a),
         "seed": a.seed,
         "optimizer.learning_rate": a.lr,
         "optimizer.weight_decay": a.weight_decay,

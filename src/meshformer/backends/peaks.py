@@ -14,6 +14,7 @@ matmuls (below).
 from __future__ import annotations
 
 import functools
+import math
 import time
 from dataclasses import dataclass
 
@@ -115,11 +116,14 @@ TALL_WIDTHS = (
     (4096, 4096),
 )
 # Bounds on the measurement (the trainer runs it at start-up): shapes go cheapest first, each warmed up once and
-# timed REPEATS times (a busy machine slows a call, never speeds one up: the fastest call is the hardware's limit);
-# a shape whose call would take longer than MAX_CALL_S at the best rate so far is left out, and the timing stops
-# before a shape would take it past BUDGET_S. On a slow unit (fp32 on a CPU) that leaves the largest shapes out,
-# where the rate no longer changes with the shape.
+# timed REPEATS times, more for a short call, up to MIN_TIMED_S of timed calls or MAX_REPEATS (a busy machine
+# slows a call, never speeds one up: the fastest call is the hardware's limit, and a short call needs more tries
+# to catch one unslowed); a shape whose call would take longer than MAX_CALL_S at the best rate so far is left
+# out, and the timing stops before a shape would take it past BUDGET_S. On a slow unit (fp32 on a CPU) that leaves
+# the largest shapes out, where the rate no longer changes with the shape.
 REPEATS = 5
+MAX_REPEATS = 20
+MIN_TIMED_S = 0.03
 MAX_CALL_S = 0.05
 BUDGET_S = 2.0
 _clock = time.perf_counter  # the one clock of the calls and the budget (a test replaces it)
@@ -176,14 +180,16 @@ def measure_matmul_peak(device: torch.device, dtype: torch.dtype, budget_s: floa
     start = _clock()
     for shape in peak_shapes():
         call_s = shape.flops / best if best else 0.0
-        if call_s > MAX_CALL_S or _clock() - start + (1 + REPEATS) * len(kernels) * call_s > budget_s:
+        shape_s = len(kernels) * ((1 + REPEATS) * call_s + MIN_TIMED_S)
+        if call_s > MAX_CALL_S or _clock() - start + shape_s > budget_s:
             break
         a = _operand(shape.m, shape.k, device, dtype)
         b = _operand(shape.n, shape.k, device, dtype) if shape.linear else _operand(shape.k, shape.n, device, dtype)
         for name, kernel in kernels:
             fn = (lambda a, b, kernel=kernel: kernel(a, b.t())) if shape.linear and name == "torch" else kernel
-            _call_seconds(fn, a, b, device)  # warm-up: a library's first call of a shape plans and packs
-            rate = shape.flops / min(_call_seconds(fn, a, b, device) for _ in range(REPEATS))
+            warm_up = _call_seconds(fn, a, b, device)  # a library's first call of a shape plans and packs
+            repeats = min(MAX_REPEATS, max(REPEATS, math.ceil(MIN_TIMED_S / max(warm_up, 1e-9))))
+            rate = shape.flops / min(_call_seconds(fn, a, b, device) for _ in range(repeats))
             rates.append((f"{shape} {name}", rate))
             best = max(best, rate)
     top = max(rates, key=lambda r: r[1])
