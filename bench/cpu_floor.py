@@ -7,14 +7,17 @@ the best of several calls after warm-up; bench/cpu_kernels.py's helpers), in the
     and the weight gradient in each operand layout (bench/cpu_kernels.py's four; in fp32 also torch's BLAS
     against oneDNN), the fastest of each;
   - the output projection's three, its forward also split into chunks;
-  - causal attention forward + backward per layer, the fastest of the variants cpu_kernels.py times;
+  - causal attention forward + backward per layer, the fastest of the variants cpu_kernels.py times (k and v
+    with as many heads as q);
   - the input embedding's lookup and its backward;
   - the loss forward + backward (make_loss_fn, eager or compiled, the faster);
   - AdamW over the model's parameters (fused or foreach, the faster) and the gradient-norm clip.
 Their sum is a floor no step of this model can beat without faster kernels: the layers' element-wise work
 (norms, rotary, SwiGLU, residual adds, autocast's casts) is not in it. The MFU ceiling is the model's FLOPs a step
 (`ModelFamily.flops_per_token`, as the trainer and bench_vs_hf count them) over the floor and the measured peak
-(backends/peaks.py: the best of square and linear-shaped matmuls, best of three measurements, as bench_vs_hf).
+(backends/peaks.py: the best of square and linear-shaped matmuls, best of three measurements, as bench_vs_hf;
+or the model's fastest matmul here where that ran faster). Large outputs are timed without the page faults of a
+freshly mapped block (malloc keeps every block on its heap), as a training step reuses its memory.
 
     python bench/cpu_floor.py --dtype fp32      # bench_vs_hf's defaults: hidden 512, 8 layers, 2048 tokens
     python bench/cpu_floor.py --dtype bf16      # bf16 autocast: matmuls, attention and the logits in bf16
