@@ -96,13 +96,9 @@ def parse_args(argv=None):
 
 
 # ---- meshformer ----------------------------------------------------------------------------------------------
-def build_meshformer(a):
-    from meshformer.config import load_config
-    from meshformer.parallel import init_parallel
-    from meshformer.train.optim import Optimizers
-    from meshformer.train.step import build_parts
-
-    o = {
+def model_overrides(a) -> dict:
+    """The model these flags describe (untied, fp32 master weights, compute in --dtype) as config overrides."""
+    return {
         "model.model_config.hidden_size": a.hidden,
         "model.model_config.num_layers": a.layers,
         "model.model_config.num_heads": a.heads,
@@ -114,6 +110,17 @@ def build_meshformer(a):
         "model.model_config.compute_dtype": "bfloat16" if a.dtype == "bf16" else "float32",
         "model.model_config.param_init_type": "float32",
         "train_dataset.batch_size": a.batch,
+    }
+
+
+def build_meshformer(a):
+    from meshformer.config import load_config
+    from meshformer.parallel import init_parallel
+    from meshformer.train.optim import Optimizers
+    from meshformer.train.step import build_parts
+
+    o = {
+        **model_overrides(a),
         "seed": a.seed,
         "optimizer.learning_rate": a.lr,
         "optimizer.weight_decay": a.weight_decay,
@@ -233,13 +240,16 @@ def check_logits(parts, hf, a, autocast_dtype) -> float:
 
 
 def measure_peak(dtype) -> tuple[float, str]:
-    from meshformer.backends.peaks import peak_flops
+    from meshformer.backends.cpu import cpu_has_bf16
+    from meshformer.backends.peaks import measure_matmul_peak
 
-    best = 0.0
-    for _ in range(3):  # best of three: the machine is shared, a slow sample is someone else's load
-        f, src = peak_flops(torch.device("cpu"), dtype, 0.0)
-        best = max(best, f)
-    return best, src + " (best of 3 calls, each the best of several square matmuls)"
+    cpu = torch.device("cpu")
+    if dtype != torch.float32 and not cpu_has_bf16():  # bf16 matmuls are fp32 work here (backends/peaks.py)
+        peak, src = measure_peak(torch.float32)
+        return peak, src + "; this CPU has no bf16 matmul units"
+    # best of three: the machine is shared, a slow sample is someone else's load
+    best = max((measure_matmul_peak(cpu, dtype) for _ in range(3)), key=lambda m: m.flops)
+    return best.flops, f"measured: best of 3 calls, each the best of {len(best.rates)} matmuls; {best.best}"
 
 
 def profile_steps(name, fn, n):

@@ -47,48 +47,76 @@ def matmuls(dt, tokens: int, h: int, ffn: int, vocab: int) -> None:
         print(line)
     for k, o in ((h, h), (h, 3 * h), (h, ffn), (h, 2 * ffn), (ffn, h), (h, vocab)):
         x, w, g = torch.randn(tokens, k, dtype=dt), torch.randn(o, k, dtype=dt), torch.randn(tokens, o, dtype=dt)
-        rates = [2 * tokens * k * o / best_ms(f) / 1e6 for f in (lambda: x @ w.t(), lambda: g @ w, lambda: g.t() @ x)]
+        flops = 2 * tokens * k * o
+        ms = linear_matmuls_ms(x, w, g)
+        rates = [flops / ms[f"{kind} torch"] / 1e6 for kind in ("forward", "input grad", "weight grad")]
         print(
             f"  [{tokens}, {k}] x [{k}, {o}]: forward {rates[0]:.0f}, input grad {rates[1]:.0f}, weight grad "
             f"{rates[2]:.0f} GFLOP/s"
         )
-        if dt == torch.float32 and torch.backends.mkldnn.is_available():  # the same three as cpu_matmul: onednn
-            from meshformer.backends.cpu import onednn_mm, weight_grad
-
-            fns = (lambda: onednn_mm(x, w), lambda: onednn_mm(g, w.t()), lambda: weight_grad(g, x))
-            rates = [2 * tokens * k * o / best_ms(f) / 1e6 for f in fns]
+        if "forward oneDNN" in ms:  # the same three as cpu_matmul: onednn
+            rates = [flops / ms[f"{kind} oneDNN"] / 1e6 for kind in ("forward", "input grad", "weight grad")]
             print(f"    on oneDNN: forward {rates[0]:.0f}, input grad {rates[1]:.0f}, weight grad {rates[2]:.0f}")
         weight_grad_layouts(x, g)
         if o == vocab:
             vocab_chunks(x, w)
 
 
-def weight_grad_layouts(x: torch.Tensor, g: torch.Tensor) -> None:
-    """dW = g^T x in the layouts a backward may choose: both operands transposed (autograd's own), the transposed
-    product transposed back, and with either operand copied to row-major first (the copy timed in)."""
-    flops = 2 * x.shape[0] * x.shape[1] * g.shape[1]
+def linear_matmuls_ms(x: torch.Tensor, w: torch.Tensor, g: torch.Tensor) -> dict[str, float]:
+    """A linear's three matmuls, best ms: "forward" `x @ w.t()`, "input grad" `g @ w`, "weight grad" `g.t() @ x`,
+    each with " torch" and, in fp32 where oneDNN is built, " oneDNN" (as `cpu_matmul: onednn` runs them)."""
+    fns = {
+        "forward torch": lambda: x @ w.t(),
+        "input grad torch": lambda: g @ w,
+        "weight grad torch": lambda: g.t() @ x,
+    }
+    if x.dtype == torch.float32 and torch.backends.mkldnn.is_available():
+        from meshformer.backends.cpu import onednn_mm, weight_grad
+
+        fns["forward oneDNN"] = lambda: onednn_mm(x, w)
+        fns["input grad oneDNN"] = lambda: onednn_mm(g, w.t())
+        fns["weight grad oneDNN"] = lambda: weight_grad(g, x)
+    return {name: best_ms(f) for name, f in fns.items()}
+
+
+def weight_grad_layouts_ms(x: torch.Tensor, g: torch.Tensor) -> dict[str, float]:
+    """dW = g^T x in the layouts a backward may choose, best ms: both operands transposed (autograd's own), the
+    transposed product transposed back, and with either operand copied to row-major first (the copy timed in)."""
     fns = {
         "g^T x": lambda: g.t() @ x,
         "(x^T g)^T": lambda: (x.t() @ g).t().contiguous(),
         "copy g^T": lambda: g.t().contiguous() @ x,
         "copy x^T": lambda: (x.t().contiguous() @ g).t().contiguous(),
     }
-    print("    weight grad layouts: " + ", ".join(f"{n} {flops / best_ms(f) / 1e6:.0f}" for n, f in fns.items()))
+    return {name: best_ms(f) for name, f in fns.items()}
 
 
-def vocab_chunks(x: torch.Tensor, w: torch.Tensor, chunk: int = 2048) -> None:
-    """The output projection whole against split into `chunk`-column pieces (or row pieces of the tokens)."""
-    flops = 2 * x.shape[0] * x.shape[1] * w.shape[0]
+def weight_grad_layouts(x: torch.Tensor, g: torch.Tensor) -> None:
+    flops = 2 * x.shape[0] * x.shape[1] * g.shape[1]
+    ms = weight_grad_layouts_ms(x, g)
+    print("    weight grad layouts: " + ", ".join(f"{n} {flops / t / 1e6:.0f}" for n, t in ms.items()))
+
+
+def vocab_forward_ms(x: torch.Tensor, w: torch.Tensor, chunk: int = 2048) -> dict[str, float]:
+    """The output projection's forward whole against split into `chunk`-column pieces (or row pieces of the
+    tokens), best ms."""
     rows = max(1, x.shape[0] // 4)
     fns = {
         "whole": lambda: x @ w.t(),
         f"{chunk}-column chunks": lambda: torch.cat([x @ p.t() for p in w.split(chunk)], 1),
         f"{rows}-row chunks": lambda: torch.cat([p @ w.t() for p in x.split(rows)], 0),
     }
-    print("    output projection forward: " + ", ".join(f"{n} {flops / best_ms(f) / 1e6:.0f}" for n, f in fns.items()))
+    return {name: best_ms(f) for name, f in fns.items()}
 
 
-def attention(dt, batch: int, heads: int, seq: int, head_dim: int) -> None:
+def vocab_chunks(x: torch.Tensor, w: torch.Tensor, chunk: int = 2048) -> None:
+    flops = 2 * x.shape[0] * x.shape[1] * w.shape[0]
+    ms = vocab_forward_ms(x, w, chunk)
+    print("    output projection forward: " + ", ".join(f"{n} {flops / t / 1e6:.0f}" for n, t in ms.items()))
+
+
+def attention_ms(dt, batch: int, heads: int, seq: int, head_dim: int) -> dict[str, float]:
+    """Causal attention forward + backward of one layer, best ms of each variant."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     q, k, v = (torch.randn(batch, heads, seq, head_dim, dtype=dt, requires_grad=True) for _ in range(3))
@@ -121,11 +149,17 @@ def attention(dt, batch: int, heads: int, seq: int, head_dim: int) -> None:
         ("compiled SDPA flash", compiled(sdpa_causal_attention)),
         ("compiled blocked (meshformer)", compiled(checkpointed_attention)),
     )
-    for name, fn in variants:
-        print(f"  {name}: {best_ms(fn, 6):.1f} ms forward + backward per layer")
+    return {name: best_ms(fn, 6) for name, fn in variants}
 
 
-def loss(dt, batch: int, seq: int, vocab: int) -> None:
+def attention(dt, batch: int, heads: int, seq: int, head_dim: int) -> None:
+    for name, ms in attention_ms(dt, batch, heads, seq, head_dim).items():
+        print(f"  {name}: {ms:.1f} ms forward + backward per layer")
+
+
+def loss_ms(dt, batch: int, seq: int, vocab: int) -> dict[str, tuple[float, float]]:
+    """meshformer's loss (make_loss_fn) over `[batch, seq, vocab]` logits, eager and compiled: best ms of its
+    forward and of its forward + backward."""
     from meshformer.config import load_config
     from meshformer.train.step import make_loss_fn
 
@@ -133,21 +167,34 @@ def loss(dt, batch: int, seq: int, vocab: int) -> None:
     compiled = torch.compile(eager)
     x = torch.randn(batch, seq, vocab, dtype=dt, requires_grad=True)
     y = torch.randint(0, vocab, (batch, seq))
+    out = {}
     for name, fn in (("eager", eager), ("compiled", compiled)):
-        fwd = best_ms(lambda fn=fn: fn(x, y), 6)
-        both = best_ms(lambda fn=fn: fn(x, y).backward(), 6)
+        out[name] = (best_ms(lambda fn=fn: fn(x, y), 6), best_ms(lambda fn=fn: fn(x, y).backward(), 6))
+    return out
+
+
+def loss(dt, batch: int, seq: int, vocab: int) -> None:
+    for name, (fwd, both) in loss_ms(dt, batch, seq, vocab).items():
         print(f"  loss {name}: forward {fwd:.1f} ms, forward + backward {both:.1f} ms")
+
+
+def adamw_ms(shapes: list[tuple[int, ...]]) -> dict[str, float]:
+    """One AdamW step over fp32 parameters of these shapes, best ms: "foreach" against "fused"."""
+    params = [torch.randn(s, requires_grad=True) for s in shapes]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    out = {}
+    for name, kw in (("foreach", {"foreach": True}), ("fused", {"fused": True})):
+        opt = torch.optim.AdamW(params, lr=1e-4, **kw)
+        out[name] = best_ms(opt.step, 8)
+    return out
 
 
 def adamw(h: int, ffn: int, vocab: int, layers: int) -> None:
     shapes = [(vocab, h), (vocab, h), (h,)] + layers * [(h, h)] * 4 + layers * [(ffn, h)] * 3 + layers * [(h,)] * 2
-    params = [torch.randn(s, requires_grad=True) for s in shapes]
-    for p in params:
-        p.grad = torch.randn_like(p)
-    n = sum(p.numel() for p in params)
-    for name, kw in (("foreach", {"foreach": True}), ("fused", {"fused": True})):
-        opt = torch.optim.AdamW(params, lr=1e-4, **kw)
-        print(f"  AdamW {name} over {n / 1e6:.1f}M fp32 parameters: {best_ms(opt.step, 8):.1f} ms per step")
+    n = sum(torch.Size(s).numel() for s in shapes)
+    for name, ms in adamw_ms(shapes).items():
+        print(f"  AdamW {name} over {n / 1e6:.1f}M fp32 parameters: {ms:.1f} ms per step")
 
 
 def main() -> None:

@@ -262,7 +262,9 @@ class EvalConfig:
 
 @dataclass
 class MonitorConfig:
-    peak_flops: float = setting(0.0, "Peak FLOP/s of one device for MFU (0: measure a matmul once at start).", ge=0)
+    peak_flops: float = setting(
+        0.0, "Peak FLOP/s of one device for MFU (0: a known device's data sheet, else the best timed matmul).", ge=0
+    )
     progress_bar: str = setting(
         "auto",
         "Progress display: auto (rich bar on a terminal), rich, or plain log lines.",
