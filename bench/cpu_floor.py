@@ -88,20 +88,12 @@ def linear_floor_ms(dt, tokens: int, in_f: int, out_f: int, output_projection: b
 
 
 def clip_ms(shapes: list[torch.Size]) -> float:
-    """The gradient-norm clip over fp32 gradients of these shapes, the faster of torch's (one foreach norm, one
-    foreach scale) and the trainer's (the norm through BLAS's dot: parallel/parts.py, backends/cpu.py)."""
-    from meshformer.backends.cpu import sum_of_squares
-    from meshformer.backends.torch_private import foreach_mul_
-
+    """The gradient-norm clip over fp32 gradients of these shapes (one foreach norm, one foreach scale), as the
+    trainer runs it (parallel/parts.py: torch's norm, whose sum does not depend on the thread count)."""
     params = [torch.zeros(s, requires_grad=True) for s in shapes]
     for p in params:
         p.grad = torch.randn_like(p)
-    grads = [p.grad for p in params]
-
-    def trainers():
-        foreach_mul_(grads, torch.clamp(1.0 / (sum_of_squares(grads).sqrt() + 1e-6), max=1.0))
-
-    return min(best_ms(lambda: torch.nn.utils.clip_grad_norm_(params, 1.0, foreach=True), 8), best_ms(trainers, 8))
+    return best_ms(lambda: torch.nn.utils.clip_grad_norm_(params, 1.0, foreach=True), 8)
 
 
 def embedding_ms(tokens: int, vocab: int, hidden: int) -> float:

@@ -3,7 +3,6 @@
 - oneDNN linears (`cpu_matmul`): fp32 linear layers through oneDNN on CPUs where torch's BLAS takes a slow path.
 - Host memory (`retain_host_memory`): glibc malloc settings, so the host memory a CPU training step frees stays in
   the process instead of being page-faulted back every step.
-- Gradient norm (`sum_of_squares`): the squared L2 norm of fp32 CPU tensors through BLAS's dot product.
 - CPU features: the vendor and the AVX-512 / AVX-512 BF16 / AMX flags that `cpu_matmul: auto` and MFU's peak
   (train/metrics.py) go by, read in one place.
 
@@ -247,27 +246,6 @@ def set_malloc(settings: tuple[tuple[int, int], ...]) -> bool:
 def retain_freed_host_memory() -> bool:
     """Tune glibc's malloc for this process (once); False where the C library is not glibc or refused a setting."""
     return set_malloc(RETAINED)
-
-
-# ---------------------------------------------------------------- gradient norm
-
-
-def sums_squares_by_dot(tensors: list[torch.Tensor]) -> bool:
-    """Whether `sum_of_squares` takes these: plain, contiguous fp32 CPU tensors."""
-    return all(_plain(t) and t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous() for t in tensors)
-
-
-def sum_of_squares(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """The squared L2 norm of all of `tensors` (fp32, `sums_squares_by_dot`), as a 0-d fp32 tensor.
-
-    Each tensor's is its dot product with itself: BLAS's vectorized, threaded sdot reads it once, where torch's CPU
-    `linalg.vector_norm` (what clip_grad_norm_'s foreach path runs per tensor on a CPU) takes about three times as
-    long on a model's gradients (docs/benchmarks.md). Both accumulate in fp32."""
-    total = torch.zeros((), dtype=torch.float32)
-    for t in tensors:
-        flat = t.view(-1)
-        total += torch.dot(flat, flat)
-    return total
 
 
 # ---------------------------------------------------------------- CPU features

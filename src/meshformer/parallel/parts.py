@@ -19,7 +19,6 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from meshformer.backends.cpu import sum_of_squares, sums_squares_by_dot
 from meshformer.backends.torch_private import foreach_mul_
 from meshformer.config.schema import MeshformerConfig
 from meshformer.dtypes import DTYPE
@@ -135,10 +134,9 @@ class ModelParts:
     def grad_norm(self, groups: dict | None = None) -> torch.Tensor:
         """Global L2 norm of all gradients over every rank's pieces (tp/dp via DTensor, pp via all-reduce)."""
         sq = torch.zeros((), device=self.env.device, dtype=torch.float32)
-        for key, grads in (groups if groups is not None else _grad_groups(self.parameters())).items():
-            if key is None and sums_squares_by_dot(grads):  # plain fp32 CPU gradients: BLAS's dot, a third the time
-                sq += sum_of_squares(grads).to(sq.device)
-                continue
+        # torch's norm, not BLAS's dot (a third the time on a CPU): a dot's sum depends on the thread count, and a
+        # run resumed with other threads must repeat the same numbers (docs/benchmarks.md)
+        for grads in (groups if groups is not None else _grad_groups(self.parameters())).values():
             n = torch.nn.utils.get_total_norm(grads, 2.0, False, True)
             sq += _local(n).float() ** 2
         return self.env.all_reduce_sum_pp(sq).sqrt()
