@@ -155,3 +155,24 @@ def test_compiled_training_with_selective_recompute_matches_eager(tiny_dataset, 
         assert len(compiled) == 3, compiled
         for e, c in zip(eager, compiled):
             assert abs(c - e) < 1e-4 * e, (rc, eager, compiled)
+
+
+def test_the_selective_checkpoint_notice_is_dropped_and_nothing_else():
+    """torch.compile logs a notice (once a process) on meeting a selective checkpoint; meshformer's regions run no
+    in-place op, so importing the modules that use one drops exactly that record from torch's logger."""
+    import logging
+
+    import meshformer.backends.cpu_attention  # noqa: F401 - installs the filter
+    from meshformer.backends.torch_private import SELECTIVE_CHECKPOINT_NOTICE
+
+    seen = []
+    handler = logging.Handler()
+    handler.emit = seen.append
+    logger = logging.getLogger("torch._higher_order_ops.wrap")
+    logger.addHandler(handler)
+    try:
+        logger.warning("\nDetected that %s.\nPlease make sure ...", SELECTIVE_CHECKPOINT_NOTICE)
+        logger.warning("another warning")
+    finally:
+        logger.removeHandler(handler)
+    assert [r.getMessage() for r in seen] == ["another warning"]

@@ -32,7 +32,7 @@ import torch
 import torch.utils.checkpoint
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from meshformer.backends.torch_private import softmax_op
+from meshformer.backends.torch_private import quiet_selective_checkpoint_notice, softmax_op
 
 # At most this many query blocks: the loop unrolls into the compiled graph, whose size (and compile time) grows with
 # it; 16 blocks skip 47% of the score matmuls (flash's causal skipping reaches 50%).
@@ -80,6 +80,7 @@ def _keep_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
 
 
 _keep_probabilities_context = partial(create_selective_checkpoint_contexts, _keep_policy)
+quiet_selective_checkpoint_notice()
 
 
 def _block_size(s: int) -> int:

@@ -8,6 +8,9 @@ used anywhere else under src/. Checked on torch 2.13.0 (CPU build); the GPU path
 
 from __future__ import annotations
 
+import functools
+import logging
+
 import torch
 
 CHECKED_ON = "2.13.0"
@@ -110,6 +113,24 @@ def softmax_op():
     """The aten op behind torch.softmax (torch.ops.aten._softmax.default, torch 2.13.0): what a selective checkpoint
     policy sees a softmax as."""
     return torch.ops.aten._softmax.default
+
+
+SELECTIVE_CHECKPOINT_NOTICE = "context_fn is passed to torch.utils.checkpoint under torch.compile"
+
+
+class _DropSelectiveCheckpointNotice(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return SELECTIVE_CHECKPOINT_NOTICE not in record.getMessage()
+
+
+@functools.cache
+def quiet_selective_checkpoint_notice() -> None:
+    """Drop the notice torch.compile logs once a process when it meets a selective checkpoint
+    (torch._higher_order_ops.wrap's logger, torch 2.13.0: "Detected that context_fn is passed to
+    torch.utils.checkpoint under torch.compile. Please make sure the checkpointed region does not contain in-place
+    ops"). meshformer's selective regions (parallel/recompute.py, backends/cpu_attention.py) run no in-place op,
+    and in a run's log the notice reads as a fault. Every other record of that logger passes."""
+    logging.getLogger("torch._higher_order_ops.wrap").addFilter(_DropSelectiveCheckpointNotice())
 
 
 def checkpoint_wrapper(module: torch.nn.Module, **kwargs) -> torch.nn.Module:

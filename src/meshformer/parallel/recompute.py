@@ -42,11 +42,13 @@ from meshformer.backends.torch_private import (
     checkpoint_wrapper,
     functional_collective_ops,
     grouped_mm_op,
+    quiet_selective_checkpoint_notice,
     tree_leaves,
 )
 from meshformer.models.activations import kept_matmul
 
 aten = torch.ops.aten
+quiet_selective_checkpoint_notice()  # its selective regions run no in-place op (backends/torch_private.py)
 
 # Kept by selective recompute: the expensive results (matmuls, attention) and collectives (recomputing one would
 # communicate again).
