@@ -176,3 +176,24 @@ def test_the_selective_checkpoint_notice_is_dropped_and_nothing_else():
     finally:
         logger.removeHandler(handler)
     assert [r.getMessage() for r in seen] == ["another warning"]
+
+
+def test_recomputed_layers_attend_without_keeping_probabilities():
+    """Recompute (full or selective) gives a wrapped layer's attention `recomputed_causal_attention`, whose compiled
+    CPU kernel keeps nothing the layer's own checkpoint would not: the selective policy's must-save would win over
+    the enclosing recompute and keep every layer's probabilities. Layers left alone keep `causal_attention`."""
+    from meshformer.config import load_config
+    from meshformer.models.attention import recomputed_causal_attention
+    from meshformer.parallel import init_parallel
+    from meshformer.train.step import build_parts
+
+    o = {
+        "model.model_config.hidden_size": 64, "model.model_config.num_layers": 3, "model.model_config.num_heads": 4,
+        "model.model_config.n_kv_heads": 2, "model.model_config.intermediate_size": 96,
+        "model.model_config.vocab_size": 128, "model.model_config.seq_length": 16, "compile": False,
+        "recompute_config.recompute": "[1]", "recompute_config.select_recompute": "[2]",
+    }  # fmt: skip
+    cfg = load_config(None, [s for k, v in o.items() for s in (f"--{k}", str(v))])
+    model = build_parts(cfg, init_parallel(cfg, world_size=1)).parts.parts[0]
+    attends = [[m.attend for m in layer.modules() if hasattr(m, "attend")] for layer in model.layers.values()]
+    assert attends == [[recomputed_causal_attention], [recomputed_causal_attention], [causal_attention]]

@@ -53,10 +53,16 @@ def runs_blocked(q: torch.Tensor) -> bool:
     return q.device.type == "cpu" and torch.compiler.is_compiling() and type(q) is torch.Tensor
 
 
-def checkpointed_attention(q, k, v, mask=None, scale=None, window=None, sinks=None) -> torch.Tensor:
+def checkpointed_attention(
+    q, k, v, mask=None, scale=None, window=None, sinks=None, keep_probabilities: bool = True
+) -> torch.Tensor:
     """`blocked_causal_attention` (its own block size) under a non-reentrant checkpoint: a selective one keeping the
-    probabilities where `keeps_probabilities`, else a plain one keeping q, k and v (module docstring)."""
-    context = {"context_fn": _keep_probabilities_context} if keeps_probabilities(q, k, v, window) else {}
+    probabilities where `keeps_probabilities`, else a plain one keeping q, k and v (module docstring).
+    keep_probabilities=False: the plain one always, for a layer recomputed from outside (parallel/recompute.py),
+    where a kept probability would outlive the recompute's forward: the selective policy's must-save wins over
+    the enclosing layer's recompute in the compiled graph, so every layer's probabilities would stay."""
+    keep = keep_probabilities and keeps_probabilities(q, k, v, window)
+    context = {"context_fn": _keep_probabilities_context} if keep else {}
     return torch.utils.checkpoint.checkpoint(
         blocked_causal_attention, q, k, v, 0, mask, scale, window, sinks, use_reentrant=False, **context
     )

@@ -39,15 +39,23 @@ def causal_attention(
     scale: float | None = None,
     window: int | None = None,
     sinks: torch.Tensor | None = None,
+    keep_probabilities: bool = True,
 ):
     """Causal self-attention over whole rows (training, a prompt's prefill): q [b, heads, s, d], k and v
     [b, kv_heads, s, d] (v may be narrower); mask: a causal [b, 1, s, s] (packed documents) or None; scale: of q.k
     (None: 1/sqrt(d)); window: a sliding window (`window_band`) on top of the mask; sinks: [heads] sink logits.
     On a compiled CPU step the CPU backend's blocked kernel under a checkpoint (backends/cpu_attention.py
-    `runs_blocked`), else `sdpa_causal_attention`."""
+    `runs_blocked`; keep_probabilities=False: one that keeps only q, k and v, `recomputed_causal_attention`), else
+    `sdpa_causal_attention`."""
     if cpu_attention.runs_blocked(q):
-        return cpu_attention.checkpointed_attention(q, k, v, mask, scale, window, sinks)
+        return cpu_attention.checkpointed_attention(q, k, v, mask, scale, window, sinks, keep_probabilities)
     return sdpa_causal_attention(q, k, v, mask, scale, window, sinks)
+
+
+def recomputed_causal_attention(q, k, v, mask=None, scale=None, window=None, sinks=None):
+    """`causal_attention` for a layer recomputed from outside (parallel/recompute.py installs it as the layer's
+    `attend`): on a compiled CPU step its blocked kernel keeps nothing past the layer's own recompute."""
+    return causal_attention(q, k, v, mask, scale, window, sinks, keep_probabilities=False)
 
 
 def sdpa_causal_attention(q, k, v, mask=None, scale=None, window=None, sinks=None) -> torch.Tensor:

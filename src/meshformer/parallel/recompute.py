@@ -46,6 +46,7 @@ from meshformer.backends.torch_private import (
     tree_leaves,
 )
 from meshformer.models.activations import kept_matmul
+from meshformer.models.attention import causal_attention, recomputed_causal_attention
 
 aten = torch.ops.aten
 quiet_selective_checkpoint_notice()  # its selective regions run no in-place op (backends/torch_private.py)
@@ -163,8 +164,19 @@ def apply_recompute(
     policy = _POLICY_MAKERS[select_policy]
     for i, key in enumerate(keys):
         if i < n_full:
+            _attend_as_recomputed(layers[key])
             layers[key] = checkpoint_wrapper(layers[key], preserve_rng_state=False)
         elif i < n_select:
+            _attend_as_recomputed(layers[key])
             context = partial(_selective_contexts, policy)
             layers[key] = checkpoint_wrapper(layers[key], preserve_rng_state=False, context_fn=context)
     return n_full, max(0, n_select - n_full)
+
+
+def _attend_as_recomputed(layer: nn.Module) -> None:
+    """The layer's attention blocks that call the models' `causal_attention` call `recomputed_causal_attention`
+    instead (models/attention.py): the layer's checkpoint decides what it keeps. Another installed `attend`
+    (context parallelism's) is left alone."""
+    for module in layer.modules():
+        if getattr(module, "attend", None) is causal_attention:
+            module.attend = recomputed_causal_attention
