@@ -76,7 +76,7 @@ def keeps_probabilities(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, windo
     scores = 0
     for i0 in range(0, s, block):
         i1 = min(i0 + block, s)
-        scores += (i1 - i0) * (i1 - (0 if window is None else max(0, i0 - window + 1)))
+        scores += (i1 - i0) * (i1 - _first_key(i0, window))
     inputs = sum(t.numel() * t.element_size() for t in (q, k, v))
     return b * h * scores * 4 <= KEEP_PROBABILITIES_UP_TO * inputs
 
@@ -92,6 +92,11 @@ quiet_selective_checkpoint_notice()
 def _block_size(s: int) -> int:
     """Query rows per block: MIN_BLOCK, raised so that there are at most MAX_BLOCKS."""
     return max(MIN_BLOCK, -(-s // MAX_BLOCKS))
+
+
+def _first_key(i0: int, window: int | None) -> int:
+    """The first key a block starting at query i0 scores: the first its first query sees under the window."""
+    return 0 if window is None else max(0, i0 - window + 1)
 
 
 def blocked_causal_attention(
@@ -122,7 +127,7 @@ def blocked_causal_attention(
     for i0 in range(0, s, block):
         i1 = min(i0 + block, s)
         n = i1 - i0
-        k0 = 0 if window is None else max(0, i0 - window + 1)  # the first key the block's first query sees
+        k0 = _first_key(i0, window)
         rows = q[:, :, i0:i1].reshape(b, kv, g * n, d)  # the group's heads stacked: one matmul per kv head
         scores = torch.matmul(rows, k[:, :, k0:i1].transpose(-1, -2)).to(acc) * scale
         if window is not None:
